@@ -1,0 +1,455 @@
+"""Clipped policy-gradient losses: PPO, clip-higher (DAPO) and BAPO, as pure functions on tensors.
+
+All three minimise the negated PPO surrogate, token by token,
+
+    loss_t = -min(r_t A_t, clip(r_t, c_low, c_high) A_t),    r_t = exp(log pi_theta - log pi_rollout)
+
+and differ only in where the bounds come from: `ppo` uses (1 - eps, 1 + eps), `clip_higher` uses
+(1 - eps_low, 1 + eps_high) (DAPO: 0.2 / 0.28), `bapo` chooses them per update with Algorithm 1
+(`bounds.adaptive_bounds`) or takes them already solved (`bounds=`, e.g. from a `BoundAccumulator`
+over all micro-batches and ranks of the optimizer step). GRPO is not a loss: it is the `ppo` loss
+with group-normalised advantages (`advantages.grpo`).
+
+Activity is decided by explicit masks, never by torch.min/max tie-breaking, with the same strict
+comparisons as the bound search (in the ratio's dtype): a positive token (A > 0) carries gradient
+iff r < c_high, a negative token (A < 0) iff c_low < r (< dual_clip). Clipped tokens contribute
+their clipped value to the loss and exactly zero gradient.
+
+Dual clip (negative advantages, as verl): loss_t = min(max(-A r, -A clip(r)), -A * dual_clip);
+default 3.0, None turns it off. With BAPO, negative tokens at r >= dual_clip carry no gradient
+whatever c_low is, so they are left out of the search's mass.
+
+Non-finite tokens: a token whose ratio, advantage or loss (r * A) is NaN or infinite is masked
+out (zero loss, zero gradient) and counted in the `nonfinite_tokens` metric, so one bad token
+does not poison the step. Shapes: [B, T] (advantages may be [B], one per sequence), or flat [N]
+with agg="token-mean". Gradient-accumulation normalisers (`global_tokens`, `global_seqs`) make
+the micro-batch losses sum to the exact mini-batch loss.
+
+Returns ``(loss, metrics)``: metrics are detached 0-dim tensors (no host sync), plus Python
+floats for BAPO's bounds: clipfrac_low, clipfrac_high, ppo_kl, ratio_mean, ratio_max, pos_mass,
+neg_mass, nonfinite_tokens [, c_low, c_high, rho_before, rho, search_steps].
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from bapo_cli.algos.bounds import BapoBounds, BoundAccumulator, check_rho0, compute_dtype
+from bapo_cli.algos.registry import Registry
+
+__all__ = [
+    "AGGREGATIONS",
+    "REGISTRY",
+    "WEIGHTINGS",
+    "bapo_loss",
+    "clip_higher_loss",
+    "clipped_surrogate",
+    "policy_loss",
+    "ppo_loss",
+    "search_inputs",
+]
+
+AGGREGATIONS = (
+    "token-mean",
+    "seq-mean-token-sum",
+    "seq-mean-token-mean",
+    "seq-mean-token-sum-norm",
+)
+WEIGHTINGS = ("none", "rollout_prob")
+REGISTRY: Registry = Registry("loss")
+
+Tensor = torch.Tensor
+
+
+def policy_loss(
+    name: str,
+    log_prob: Tensor,
+    old_log_prob: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    **params: Any,
+) -> tuple[Tensor, dict[str, Any]]:
+    """Look up loss `name` in REGISTRY (ppo, clip_higher, bapo) and call it."""
+    return REGISTRY.get(name)(log_prob, old_log_prob, advantages, mask, **params)
+
+
+# --------------------------------------------------------------------------------------------
+# Shared pieces
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Tokens:
+    """One batch after `prepare_tokens`: shapes [B, T] (or [N]), invalid tokens neutralised."""
+
+    ratio: Tensor  # r_t = pi_theta / pi_rollout, with grad; 1 on masked/non-finite tokens
+    r: Tensor  # the same, detached
+    log_ratio: Tensor  # log r_t detached; 0 on masked/non-finite tokens
+    adv: Tensor  # A_t detached; 0 on masked/non-finite tokens
+    valid: Tensor  # bool: in the mask and finite
+    pos: Tensor  # bool: valid & A > 0
+    neg: Tensor  # bool: valid & A < 0
+    n_valid: Tensor  # 0-dim float: number of valid tokens
+    nonfinite: Tensor  # 0-dim float: tokens in the mask left out as non-finite
+
+
+def _check_shapes(
+    log_prob: Tensor, old_log_prob: Tensor, advantages: Tensor, mask: Tensor
+) -> Tensor:
+    """Validate shapes; return advantages broadcast to log_prob's shape."""
+    shape = log_prob.shape
+    if log_prob.dim() not in (1, 2):
+        raise ValueError(f"log_prob must be [B, T] or [N], got shape {tuple(shape)}")
+    if not log_prob.is_floating_point():
+        raise ValueError(f"log_prob must be a floating-point tensor, got {log_prob.dtype}")
+    for name, t in (("old_log_prob", old_log_prob), ("mask", mask)):
+        if t.shape != shape:
+            raise ValueError(f"{name} has shape {tuple(t.shape)}, expected {tuple(shape)}")
+    if advantages.shape == shape:
+        return advantages
+    if log_prob.dim() == 2 and advantages.shape == shape[:1]:
+        return advantages[:, None].expand(shape)  # one advantage per sequence
+    raise ValueError(
+        f"advantages has shape {tuple(advantages.shape)}, expected {tuple(shape)}"
+        + (f" or {tuple(shape[:1])}" if log_prob.dim() == 2 else "")
+    )
+
+
+def prepare_tokens(
+    log_prob: Tensor, old_log_prob: Tensor, advantages: Tensor, mask: Tensor
+) -> Tokens:
+    """ratio -> validity: compute r_t once, mask non-finite tokens, zero their advantage."""
+    advantages = _check_shapes(log_prob, old_log_prob, advantages, mask)
+    log_ratio = log_prob - old_log_prob  # log r_t, [B, T]
+    with torch.no_grad():
+        in_mask = mask if mask.dtype == torch.bool else mask != 0
+        adv = advantages.detach().to(log_prob.dtype)
+        loss_value = log_ratio.exp() * adv  # r_t A_t: NaN/inf iff r, A or their product is
+        valid = in_mask & ((loss_value - loss_value) == 0)
+        adv = torch.where(valid, adv, 0.0)
+        n_valid = valid.sum(dtype=log_prob.dtype)
+        nonfinite = in_mask.sum(dtype=log_prob.dtype) - n_valid
+    # Neutralise invalid tokens *before* exp so their gradient is 0, never 0 * inf = NaN.
+    ratio = torch.exp(torch.where(valid, log_ratio, 0.0))  # r_t, [B, T]
+    r = ratio.detach()
+    return Tokens(
+        ratio=ratio,
+        r=r,
+        log_ratio=torch.where(valid, log_ratio.detach(), 0.0),
+        adv=adv,
+        valid=valid,
+        pos=adv > 0,  # adv is 0 on invalid tokens, so these are valid & sign
+        neg=adv < 0,
+        n_valid=n_valid,
+        nonfinite=nonfinite,
+    )
+
+
+def _rounded(value: float, like: Tensor) -> float:
+    """`value` rounded to `like`'s dtype, as a Python float. The search rounds the path values
+    the same way, and comparing a tensor with a number its dtype represents exactly gives the
+    same answer whatever precision torch compares in (and needs no device transfer)."""
+    return torch.tensor(value, dtype=like.dtype).item()
+
+
+def _check_dual_clip(dual_clip: float | None, c_low_max: float) -> float | None:
+    if dual_clip is None:
+        return None
+    value = float(dual_clip)
+    if not (value > max(1.0, c_low_max)) or math.isnan(value):
+        raise ValueError(
+            f"dual_clip must be > 1 and > the largest c_low ({c_low_max}), or None; got {dual_clip!r}"
+        )
+    return value
+
+
+def _check_agg(agg: str, dim: int) -> None:
+    if agg not in AGGREGATIONS:
+        raise ValueError(f"unknown agg {agg!r}; valid: {', '.join(AGGREGATIONS)}")
+    if dim == 1 and agg != "token-mean":
+        raise ValueError(f"agg={agg!r} needs [B, T] tensors; flat [N] tensors allow token-mean")
+
+
+def _check_positive(name: str, value: Any) -> None:
+    if value is not None and not isinstance(value, Tensor) and not float(value) > 0:
+        raise ValueError(f"{name} must be > 0 (or None), got {value!r}")
+
+
+def aggregate(
+    loss_tok: Tensor,
+    valid: Tensor,
+    agg: str = "token-mean",
+    *,
+    global_tokens: float | Tensor | None = None,
+    global_seqs: float | Tensor | None = None,
+    norm_len: float | None = None,
+) -> Tensor:
+    """Masked aggregation of per-token losses [B, T] (loss_tok is 0 off the mask).
+
+    token-mean:              sum_{b,t} l / n_tokens
+    seq-mean-token-sum:      sum_b (sum_t l) / n_seqs
+    seq-mean-token-mean:     sum_b (sum_t l / n_tokens_b) / n_seqs
+    seq-mean-token-sum-norm: sum_{b,t} l / (n_seqs * norm_len)   (Dr. GRPO; norm_len default T)
+
+    n_tokens / n_seqs default to this batch's valid tokens / sequences with a valid token;
+    `global_tokens` / `global_seqs` replace them (e.g. the whole mini-batch's counts, so the
+    micro-batch losses of gradient accumulation add up to the exact mini-batch loss).
+    """
+    _check_agg(agg, loss_tok.dim())
+    _check_positive("global_tokens", global_tokens)
+    _check_positive("global_seqs", global_seqs)
+    _check_positive("norm_len", norm_len)
+    if agg == "token-mean":
+        denom = global_tokens if global_tokens is not None else valid.sum().clamp(min=1)
+        return loss_tok.sum() / denom
+    seq_loss = loss_tok.sum(dim=-1)  # [B]
+    if global_seqs is not None:
+        n_seqs = global_seqs
+    else:
+        n_seqs = valid.any(dim=-1).sum().clamp(min=1)
+    if agg == "seq-mean-token-sum":
+        return seq_loss.sum() / n_seqs
+    if agg == "seq-mean-token-mean":
+        seq_tokens = valid.sum(dim=-1).clamp(min=1)  # [B]
+        return (seq_loss / seq_tokens).sum() / n_seqs
+    horizon = norm_len if norm_len is not None else loss_tok.shape[-1]
+    return seq_loss.sum() / (n_seqs * horizon)
+
+
+def clipped_surrogate(
+    tok: Tokens,
+    c_low: float,
+    c_high: float,
+    *,
+    dual_clip: float | None = 3.0,
+    agg: str = "token-mean",
+    global_tokens: float | Tensor | None = None,
+    global_seqs: float | Tensor | None = None,
+    norm_len: float | None = None,
+) -> tuple[Tensor, dict[str, Any]]:
+    """clip -> per-token loss -> masked aggregation, given bounds (c_low, c_high)."""
+    r, adv = tok.r, tok.adv
+    lo, hi = _rounded(c_low, r), _rounded(c_high, r)
+    # Clip: which tokens carry gradient (the bound search uses these very comparisons).
+    active_pos = tok.pos & (r < hi)  # A > 0: inside while r < c_high
+    active_neg = tok.neg & (r > lo)  # A < 0: inside while r > c_low ...
+    upper_neg = None
+    if dual_clip is not None:
+        dual = _rounded(dual_clip, r)
+        active_neg = active_neg & (r < dual)  # ... and below the dual clip
+        upper_neg = dual
+    active = active_pos | active_neg
+    # Value of the surrogate ratio of a clipped token: min(r, c_high) for A > 0,
+    # min(max(r, c_low), dual_clip) for A < 0. Active tokens keep r_t with its gradient.
+    r_clipped = torch.where(tok.pos, r.clamp(max=hi), r.clamp(min=lo, max=upper_neg))
+    r_eff = torch.where(active, tok.ratio, r_clipped)  # [B, T]
+    loss_tok = -adv * r_eff  # [B, T]; 0 off the mask (adv is 0 there)
+    loss = aggregate(
+        loss_tok,
+        tok.valid,
+        agg,
+        global_tokens=global_tokens,
+        global_seqs=global_seqs,
+        norm_len=norm_len,
+    )
+    with torch.no_grad():
+        n = tok.n_valid.clamp(min=1)
+        mass = loss_tok.detach()  # -A r for active tokens: A > 0 gives -mass
+        r_valid = torch.where(tok.valid, r, 0.0)
+        metrics: dict[str, Any] = {
+            "clipfrac_low": (tok.neg & (r <= lo)).sum() / n,
+            "clipfrac_high": (tok.pos & (r >= hi)).sum() / n,
+            "ppo_kl": -tok.log_ratio.sum() / n,  # mean of log pi_rollout - log pi_theta
+            "ratio_mean": r_valid.sum() / n,
+            "ratio_max": r_valid.max() if r.numel() else r.new_zeros(()),
+            "pos_mass": -torch.where(active_pos, mass, 0.0).sum() / n,
+            "neg_mass": torch.where(active_neg, mass, 0.0).sum() / n,
+            "nonfinite_tokens": tok.nonfinite,
+        }
+    return loss, metrics
+
+
+# --------------------------------------------------------------------------------------------
+# The registered losses
+# --------------------------------------------------------------------------------------------
+
+
+@REGISTRY.register("ppo")
+def ppo_loss(
+    log_prob: Tensor,
+    old_log_prob: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    *,
+    eps: float = 0.2,
+    dual_clip: float | None = 3.0,
+    agg: str = "token-mean",
+    global_tokens: float | Tensor | None = None,
+    global_seqs: float | Tensor | None = None,
+    norm_len: float | None = None,
+) -> tuple[Tensor, dict[str, Any]]:
+    """PPO-clip with symmetric bounds (1 - eps, 1 + eps); with GRPO advantages this is GRPO."""
+    if not 0.0 < float(eps) < 1.0:
+        raise ValueError(f"eps must lie in (0, 1), got {eps!r}")
+    return clip_higher_loss(
+        log_prob,
+        old_log_prob,
+        advantages,
+        mask,
+        eps_low=eps,
+        eps_high=eps,
+        dual_clip=dual_clip,
+        agg=agg,
+        global_tokens=global_tokens,
+        global_seqs=global_seqs,
+        norm_len=norm_len,
+    )
+
+
+@REGISTRY.register("clip_higher")
+def clip_higher_loss(
+    log_prob: Tensor,
+    old_log_prob: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    *,
+    eps_low: float = 0.2,
+    eps_high: float = 0.28,
+    dual_clip: float | None = 3.0,
+    agg: str = "token-mean",
+    global_tokens: float | Tensor | None = None,
+    global_seqs: float | Tensor | None = None,
+    norm_len: float | None = None,
+) -> tuple[Tensor, dict[str, Any]]:
+    """Asymmetric bounds (1 - eps_low, 1 + eps_high), DAPO's clip-higher (0.2 / 0.28)."""
+    if not 0.0 < float(eps_low) < 1.0:
+        raise ValueError(f"eps_low must lie in (0, 1), got {eps_low!r}")
+    if not 0.0 < float(eps_high) < math.inf:
+        raise ValueError(f"eps_high must be a finite number > 0, got {eps_high!r}")
+    c_low, c_high = 1.0 - float(eps_low), 1.0 + float(eps_high)
+    dual_clip = _check_dual_clip(dual_clip, c_low)
+    _check_agg(agg, log_prob.dim())
+    tok = prepare_tokens(log_prob, old_log_prob, advantages, mask)
+    return clipped_surrogate(
+        tok,
+        c_low,
+        c_high,
+        dual_clip=dual_clip,
+        agg=agg,
+        global_tokens=global_tokens,
+        global_seqs=global_seqs,
+        norm_len=norm_len,
+    )
+
+
+def _search_key_mass(
+    tok: Tokens, old_log_prob: Tensor, dual_clip: float | None, weighting: str
+) -> tuple[Tensor, Tensor]:
+    """key = copysign(r, A) and mass = w r |A| for the bound search, from prepared tokens."""
+    cd = compute_dtype(tok.r.dtype)
+    r, adv = tok.r.to(cd), tok.adv.to(cd)
+    mass = (r * adv).abs_()  # r |A|; 0 on invalid tokens (A = 0 there)
+    if dual_clip is not None:  # negatives above the dual clip never carry gradient
+        mass = torch.where(tok.neg & (tok.r >= _rounded(dual_clip, tok.r)), 0.0, mass)
+    if weighting == "rollout_prob":  # paper Eq. 8: w = pi_rollout(y_t)
+        w = torch.where(tok.valid, old_log_prob.detach().exp(), 0.0)  # as `search_inputs`
+        mass = mass * w.to(cd)
+    return torch.copysign(r, adv), mass
+
+
+def search_inputs(
+    log_prob: Tensor,
+    old_log_prob: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    *,
+    dual_clip: float | None = 3.0,
+    weighting: str = "none",
+) -> dict[str, Tensor]:
+    """The (ratio, advantages, mask, weights) that `bapo_loss` feeds its bound search, for a
+    trainer that accumulates over micro-batches: ``acc.add(**search_inputs(...))``. Applies the
+    same non-finite masking, dual-clip exclusion and weighting as the loss."""
+    if weighting not in WEIGHTINGS:
+        raise ValueError(f"unknown weighting {weighting!r}; valid: {', '.join(WEIGHTINGS)}")
+    with torch.no_grad():
+        tok = prepare_tokens(log_prob, old_log_prob, advantages, mask)
+        keep = tok.valid
+        if dual_clip is not None:
+            keep = keep & ~(tok.neg & (tok.r >= _rounded(dual_clip, tok.r)))
+        weights = None
+        if weighting == "rollout_prob":
+            weights = torch.where(tok.valid, old_log_prob.detach().exp(), 0.0)
+    return {"ratio": tok.r, "advantages": tok.adv, "mask": keep, "weights": weights}
+
+
+@REGISTRY.register("bapo")
+def bapo_loss(
+    log_prob: Tensor,
+    old_log_prob: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    *,
+    rho0: float = 0.4,
+    low_range: Sequence[float] = (0.6, 0.9),
+    high_range: Sequence[float] = (1.2, 3.0),
+    low_step: float = 0.02,
+    high_step: float = 0.05,
+    weighting: str = "none",
+    bounds: BapoBounds | None = None,
+    group: Any = None,
+    dual_clip: float | None = 3.0,
+    agg: str = "token-mean",
+    global_tokens: float | Tensor | None = None,
+    global_seqs: float | Tensor | None = None,
+    norm_len: float | None = None,
+) -> tuple[Tensor, dict[str, Any]]:
+    """BAPO: the clipped surrogate with bounds chosen by Algorithm 1 (see `bounds`).
+
+    bounds=None searches on this call's tokens (all-reduced over `group` if given): called once
+    per optimizer step that is the paper's method; called per micro-batch it is the cheaper
+    per-micro-batch approximation. For the exact per-step search with gradient accumulation,
+    sum a `BoundAccumulator` over the micro-batches (`search_inputs`), `solve` once and pass the
+    result as `bounds` (then rho0, ranges, steps, weighting and group are not used).
+    weighting: "none" (w = 1, default) or "rollout_prob" (w = pi_rollout, paper Eq. 8).
+    """
+    if weighting not in WEIGHTINGS:
+        raise ValueError(f"unknown weighting {weighting!r}; valid: {', '.join(WEIGHTINGS)}")
+    _check_agg(agg, log_prob.dim())
+    if bounds is None:
+        rho0 = check_rho0(rho0)
+        acc = BoundAccumulator(
+            low_range=low_range, high_range=high_range, low_step=low_step, high_step=high_step
+        )
+        dual_clip = _check_dual_clip(dual_clip, acc.path.low_values[-1])
+        tok = prepare_tokens(log_prob, old_log_prob, advantages, mask)
+        key, mass = _search_key_mass(tok, old_log_prob, dual_clip, weighting)
+        acc.add_keyed(key, mass, tok.r.dtype)
+        bounds = acc.solve(rho0, group=group)
+    elif not isinstance(bounds, BapoBounds):
+        raise ValueError(f"bounds must be a BapoBounds or None, got {type(bounds).__name__}")
+    else:
+        dual_clip = _check_dual_clip(dual_clip, bounds.c_low)
+        tok = prepare_tokens(log_prob, old_log_prob, advantages, mask)
+    loss, metrics = clipped_surrogate(
+        tok,
+        bounds.c_low,
+        bounds.c_high,
+        dual_clip=dual_clip,
+        agg=agg,
+        global_tokens=global_tokens,
+        global_seqs=global_seqs,
+        norm_len=norm_len,
+    )
+    metrics.update(
+        c_low=bounds.c_low,
+        c_high=bounds.c_high,
+        rho_before=bounds.rho_before,
+        rho=bounds.rho,
+        search_steps=float(bounds.steps),
+    )
+    return loss, metrics

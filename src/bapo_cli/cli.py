@@ -1,0 +1,206 @@
+"""The `bapo` command: Typer in front, Hydra behind, no training logic here.
+
+Every command takes Hydra overrides untouched (`key=v`, `+key=v`, `~key`, `group=option`, sweep
+syntax). The CLI checks them first (bapo_cli.config.preflight) so a bad value costs one line and
+exit code 2, then hands them to Hydra (bapo_cli.config.hydra_runner), which composes, creates the
+run dir and calls the job (bapo_cli.jobs).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from bapo_cli import __version__
+from bapo_cli.config.errors import USAGE_EXIT_CODE
+
+app = typer.Typer(
+    name="bapo",
+    help=(
+        "Off-policy RL for LLMs with BAPO (adaptive clipping) beside PPO, GRPO and clip-higher.\n\n"
+        "Configs compose with Hydra: pass overrides as KEY=VALUE, choose presets as GROUP=OPTION."
+    ),
+    epilog=(
+        "Examples:\n\n"
+        "  bapo train algo=bapo staleness=4\n\n"
+        "  bapo train -m algo.rho0=0.3,0.4,0.5\n\n"
+        "  bapo eval model.path=outputs/runs/<date>/<time>/checkpoints/last benchmark=aime24\n\n"
+        "  bapo config algo=bapo staleness=4\n\n"
+        "  bapo config --docs"
+    ),
+    rich_markup_mode="rich",
+    no_args_is_help=True,
+    add_completion=False,
+    context_settings={"help_option_names": ["-h", "--help"]},
+)
+
+OVERRIDES_HELP = "Hydra overrides: key=value, +key=value, ~key, group=option, a=1,2,3 (with -m)."
+_err = Console(stderr=True)
+
+
+def _fail(line: str) -> typer.Exit:
+    _err.print(f"[bold red]error:[/bold red] {line}", highlight=False, soft_wrap=True)
+    return typer.Exit(USAGE_EXIT_CODE)
+
+
+def _preflight(config_name: str, overrides: list[str] | None, multirun: bool = False):
+    from bapo_cli.config.preflight import PreflightError, preflight
+
+    try:
+        return preflight(config_name, list(overrides or []), multirun=multirun)
+    except PreflightError as exc:
+        if os.environ.get("HYDRA_FULL_ERROR") == "1":
+            raise
+        raise _fail(str(exc)) from None
+
+
+def _launch(config_name: str, overrides: list[str] | None, multirun: bool, task) -> None:
+    from bapo_cli.config import hydra_runner
+
+    checked = _preflight(config_name, overrides, multirun)
+    if multirun:
+        jobs = "a sampled number of" if checked.num_jobs is None else str(checked.num_jobs)
+        Console().print(f"[bold]bapo {config_name}[/bold]: {jobs} jobs, every config validated")
+    hydra_runner.run(
+        (["--multirun"] if multirun else []) + checked.overrides,
+        config_name=config_name,
+        task_function=task,
+    )
+
+
+@app.command(
+    context_settings={"allow_extra_args": False},
+    epilog=(
+        "Examples:\n\n"
+        "  bapo train                                   # tiny model, BAPO, staleness 4\n\n"
+        "  bapo train algo=grpo staleness=8 trainer.lr=1e-3\n\n"
+        "  bapo train -m algo=grpo,clip_higher,bapo staleness=0,4,8\n\n"
+        "  bapo train -m hydra/launcher=joblib hydra.launcher.n_jobs=2 algo.rho0=0.3,0.5"
+    ),
+)
+def train(
+    overrides: list[str] | None = typer.Argument(None, help=OVERRIDES_HELP, show_default=False),
+    multirun: bool = typer.Option(
+        False, "--multirun", "-m", help="Run a Hydra sweep (one job per combination)."
+    ),
+) -> None:
+    """Train a policy with the composed config (conf/train.yaml)."""
+    from bapo_cli import jobs
+
+    _launch("train", overrides, multirun, jobs.train_job)
+
+
+@app.command(
+    "eval",
+    epilog=(
+        "Examples:\n\n"
+        "  bapo eval model.path=Qwen/Qwen2.5-Math-1.5B benchmark=aime24 eval.n=16\n\n"
+        "  bapo eval benchmark=math500 benchmark.path=../shared/data/math500.jsonl eval.limit=20\n\n"
+        "  bapo eval -m benchmark=aime24,aime25"
+    ),
+)
+def evaluate(
+    overrides: list[str] | None = typer.Argument(None, help=OVERRIDES_HELP, show_default=False),
+    multirun: bool = typer.Option(False, "--multirun", "-m", help="Run a Hydra sweep."),
+) -> None:
+    """Score a model on a benchmark with the composed config (conf/eval.yaml)."""
+    from bapo_cli import jobs
+
+    _launch("eval", overrides, multirun, jobs.eval_job)
+
+
+@app.command(
+    epilog=(
+        "Examples:\n\n"
+        "  bapo config algo=bapo staleness=4\n\n"
+        "  bapo config --eval benchmark=aime25 --resolve\n\n"
+        "  bapo config --docs"
+    ),
+)
+def config(
+    overrides: list[str] | None = typer.Argument(None, help=OVERRIDES_HELP, show_default=False),
+    resolve: bool = typer.Option(False, "--resolve", help="Resolve ${...} interpolations."),
+    eval_: bool = typer.Option(False, "--eval", help="Compose conf/eval.yaml instead of train."),
+    docs: bool = typer.Option(False, "--docs", help="List every option with its documentation."),
+) -> None:
+    """Print the composed, validated config as YAML (nothing runs)."""
+    from omegaconf import OmegaConf
+
+    from bapo_cli.config import hydra_runner, schema
+
+    name = "eval" if eval_ else "train"
+    if docs:
+        _print_docs(schema.TrainConfig if name == "train" else schema.EvalRunConfig)
+        return
+    checked = _preflight(name, overrides)
+    cfg = hydra_runner.compose(name, checked.overrides)
+    sys.stdout.write(OmegaConf.to_yaml(cfg, resolve=resolve))
+
+
+def _print_docs(top: type) -> None:
+    from bapo_cli.config import schema
+
+    table = Table(title=f"Options of bapo {'train' if top is schema.TrainConfig else 'eval'}")
+    for column in ("key", "type", "default", "meaning"):
+        table.add_column(column, overflow="fold")
+    for key, type_name, default, help_text in schema.option_docs(top):
+        table.add_row(key, type_name, default, help_text)
+    Console(width=max(Console().width, 140)).print(table)
+
+
+@app.command()
+def runs(
+    uri: str | None = typer.Option(None, help="Tracking URI (default: the train config's)."),
+    experiment: str | None = typer.Option(None, help="Only this MLflow experiment."),
+    limit: int = typer.Option(20, help="Newest N runs."),
+) -> None:
+    """List tracked runs in the MLflow store, newest first."""
+    from bapo_cli import tracking
+
+    if uri is None:
+        uri = _preflight("train", []).config.tracking.uri
+    rows = tracking.list_runs(uri, experiment, limit)
+    if not rows:
+        Console().print(f"no runs yet in {uri}")
+        return
+    table = Table(title=f"runs in {uri}")
+    for column in ("run id", "experiment", "name", "status", "start", "reward/mean"):
+        table.add_column(column)
+    for row in rows:
+        reward = row.metrics.get("reward/mean")
+        table.add_row(
+            row.run_id[:12],
+            row.experiment,
+            row.name,
+            row.status,
+            row.start,
+            "" if reward is None else f"{reward:.3f}",
+        )
+    Console().print(table)
+
+
+def _version(value: bool) -> None:
+    if value:
+        print(f"bapo-cli {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: bool = typer.Option(
+        False, "--version", callback=_version, is_eager=True, help="Show the version and exit."
+    ),
+) -> None:
+    """Off-policy RL for LLMs with BAPO."""
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

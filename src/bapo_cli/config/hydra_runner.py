@@ -1,0 +1,138 @@
+"""The one place that touches Hydra's private API (`hydra._internal.utils`).
+
+`bapo train -m ...` must be a real Hydra multirun (launcher and sweeper plugins, sweep dirs,
+`hydra.job.num`), not a loop of compose calls. Hydra exposes that only through `@hydra.main`, which
+reads `sys.argv`; we need it behind a Typer command instead, so we call what `@hydra.main` calls:
+`get_args_parser()` and `_run_hydra()`. These are private and may change; hydra-core is pinned to
+1.3.x in pyproject.toml and tests/config/test_hydra_runner.py exercises this module directly.
+
+Also here: where the configs live (`config_dir`), the compose API for `bapo config` and
+pre-flight validation, and the normalisation of overrides the CLI does before Hydra sees them.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import bapo_cli
+
+OUTPUT_ROOT_ENV = "BAPO_OUTPUT_ROOT"
+VERSION_BASE = "1.3"
+
+
+def config_dir() -> Path:
+    """The `conf/` directory: inside an installed wheel (bapo_cli/conf), else the checkout's top."""
+    package = Path(bapo_cli.__file__).resolve().parent
+    for candidate in (package / "conf", package.parents[1] / "conf"):
+        if (candidate / "train.yaml").is_file():
+            return candidate
+    raise FileNotFoundError(
+        f"bapo-cli configs not found next to {package} (looked for conf/train.yaml); "
+        "reinstall the package"
+    )
+
+
+def group_options(group: str) -> list[str]:
+    """Option names of a config group: the YAML files in conf/<group>/ (schemas excluded)."""
+    folder = config_dir() / group
+    return sorted(p.stem for p in folder.glob("*.yaml")) if folder.is_dir() else []
+
+
+def config_groups() -> list[str]:
+    return sorted(p.name for p in config_dir().iterdir() if p.is_dir() and not p.name.startswith("_"))
+
+
+def _numeric_groups() -> set[str]:
+    """Groups whose options are integers (staleness=4): Hydra wants them as strings."""
+    return {g for g in config_groups() if group_options(g) and all(o.isdigit() for o in group_options(g))}
+
+
+def normalize_overrides(overrides: list[str]) -> list[str]:
+    """Make the overrides users type work unchanged in Hydra, and pin the output root.
+
+    - `staleness=4` / `staleness=0,4,8`: Hydra parses 4 as an int and refuses it as a group
+      choice, so the integers of numeric groups are quoted (`staleness='4'`).
+    - `paths.output_root` is made absolute (default `./outputs`, or $BAPO_OUTPUT_ROOT) in the
+      launching process, so launchers that start jobs elsewhere (SLURM) write to the same place.
+    """
+    numeric = _numeric_groups()
+    out: list[str] = []
+    has_root = False
+    for raw in overrides:
+        key, sep, value = raw.partition("=")
+        bare = key.lstrip("+~")
+        if sep and bare in numeric:
+            value = re.sub(r"(?<![\w'\".])(\d+)(?![\w'\".])", r"'\1'", value)
+        if sep and bare == "paths.output_root":
+            has_root = True
+            value = str(Path(os.path.expanduser(value)).resolve())
+        out.append(f"{key}{sep}{value}")
+    if not has_root:
+        root = Path(os.environ.get(OUTPUT_ROOT_ENV) or "outputs").expanduser().resolve()
+        out.append(f"paths.output_root={root}")
+    return out
+
+
+def compose(config_name: str, overrides: list[str]) -> Any:
+    """Compose `conf/<config_name>.yaml` with (normalised) overrides; the job config only."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    from bapo_cli.config import schema
+
+    schema.register()
+    with initialize_config_dir(config_dir=str(config_dir()), version_base=VERSION_BASE):
+        return hydra_compose(config_name=config_name, overrides=overrides)
+
+
+def expand_sweep(overrides: list[str]) -> list[list[str]] | None:
+    """The override list of every job a basic-sweeper multirun would launch.
+
+    None when another sweeper is selected (e.g. Optuna's `interval(...)` cannot be enumerated):
+    then only the base config is validated up front and each trial validates itself.
+    """
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    if any(o.lstrip("+").startswith("hydra/sweeper=") for o in overrides):
+        sweeper = next(o for o in overrides if o.lstrip("+").startswith("hydra/sweeper="))
+        if not sweeper.endswith("=basic"):
+            return None
+    parsed = OverridesParser.create().parse_overrides(overrides)
+    if any(o.is_sweep_override() and not o.is_choice_sweep() and not o.is_range_sweep() for o in parsed):
+        return None  # interval(...)/glob: the selected sweeper samples them
+    batches = BasicSweeper.split_arguments(parsed, max_batch_size=None)
+    return [list(job) for batch in batches for job in batch]
+
+
+def run(
+    argv: list[str],
+    *,
+    config_name: str,
+    task_function: Callable[[Any], Any],
+) -> None:
+    """Run `task_function` the way `@hydra.main` would, on Hydra's own argument parser.
+
+    `argv` is Hydra's command line (`["-m", "algo.rho0=0.3,0.5"]`). `parse_intermixed_args`
+    because Hydra 1.3.8's `parse_args` rejects flags after overrides (`a=1 -m b=2`).
+    """
+    from hydra._internal.utils import _run_hydra, get_args_parser
+    from hydra.version import setbase
+
+    from bapo_cli.config import schema
+
+    schema.register()
+    setbase(VERSION_BASE)
+    parser = get_args_parser()
+    args = parser.parse_intermixed_args(argv)
+    _run_hydra(
+        args=args,
+        args_parser=parser,
+        task_function=task_function,
+        config_path=str(config_dir()),
+        config_name=config_name,
+    )

@@ -1,0 +1,536 @@
+"""Typed schemas of every config group, with each option documented once and validated once.
+
+Hydra composes `conf/train.yaml` / `conf/eval.yaml` onto these dataclasses (registered in Hydra's
+ConfigStore by `register()`), so a wrong type fails at composition. Range rules and
+cross-group rules live in each dataclass's `check()`, next to the fields they guard; `validate()`
+walks a config and prefixes the dotted key, so every failure reads as one line such as
+`algo.rho0=1.5: must be within [0, 1]`.
+
+Each field's `help` is the only documentation of that option: `bapo config --help` and the README
+point here, and a test checks that no field is undocumented.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from omegaconf import MISSING
+
+from bapo_cli.config.errors import ConfigError
+
+
+def opt(default: Any = MISSING, help: str = "", **kwargs: Any) -> Any:
+    """A dataclass field carrying its one-line documentation (`help`)."""
+    if isinstance(default, (list, dict)):
+        value = default
+        return field(default_factory=lambda: type(value)(value), metadata={"help": help}, **kwargs)
+    return field(default=default, metadata={"help": help}, **kwargs)
+
+
+def _one_of(key: str, value: Any, allowed: list[str] | tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ConfigError(key, value, f"must be one of {', '.join(allowed)}")
+
+
+def _positive(key: str, value: float | int, *, allow_zero: bool = False) -> None:
+    bad = value < 0 if allow_zero else value <= 0
+    if bad or (isinstance(value, float) and not math.isfinite(value)):
+        raise ConfigError(key, value, "must be >= 0" if allow_zero else "must be > 0")
+
+
+# --------------------------------------------------------------------------------------- model
+
+
+@dataclass
+class TinyModelConfig:
+    """Shape and warm-up of the locally built tiny Qwen2 model (no download needed)."""
+
+    hidden_size: int = opt(128, "width of the residual stream")
+    num_layers: int = opt(2, "transformer blocks")
+    num_heads: int = opt(2, "attention heads")
+    num_kv_heads: int = opt(1, "key/value heads (grouped-query attention)")
+    head_dim: int = opt(64, "per-head width; 64 because vLLM's CPU attention rejects 16")
+    intermediate_size: int = opt(512, "MLP width")
+    sft_target_acc: float = opt(
+        0.25, "warm-up SFT stops at this held-out greedy accuracy (weak but non-zero start)"
+    )
+    sft_lr: float = opt(2e-3, "learning rate of the warm-up SFT")
+    sft_batch_size: int = opt(256, "sequences per warm-up SFT step")
+    sft_max_steps: int = opt(5000, "hard cap on warm-up SFT steps")
+    seed: int = opt(0, "seed of initialisation and warm-up data")
+
+    def check(self) -> None:
+        for name in ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim"):
+            _positive(name, getattr(self, name))
+        _positive("intermediate_size", self.intermediate_size)
+        if self.num_heads % self.num_kv_heads:
+            raise ConfigError("num_kv_heads", self.num_kv_heads, "must divide num_heads")
+        if not 0.0 < self.sft_target_acc < 1.0:
+            raise ConfigError("sft_target_acc", self.sft_target_acc, "must be within (0, 1)")
+        _positive("sft_lr", self.sft_lr)
+        _positive("sft_batch_size", self.sft_batch_size)
+        _positive("sft_max_steps", self.sft_max_steps)
+
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+DEVICES = ("auto", "cpu", "cuda")
+
+
+@dataclass
+class ModelConfig:
+    """The policy: a HF id or local directory, or the locally built tiny model."""
+
+    name: str = opt("tiny", "preset name, for display and run tags")
+    path: str = opt("tiny", "HF model id, local checkpoint dir, or 'tiny' (built locally)")
+    dtype: str = opt("auto", "auto = bfloat16 on CUDA, float32 on CPU")
+    device: str = opt("auto", "auto = cuda when available, else cpu")
+    gradient_checkpointing: bool = opt(False, "recompute activations to save memory")
+    trust_remote_code: bool = opt(False, "allow custom modelling code from the hub")
+    max_model_len: int = opt(256, "prompt + response tokens the engines must hold")
+    tiny: TinyModelConfig | None = opt(None, "settings of the tiny model (only for path=tiny)")
+
+    def check(self) -> None:
+        if not self.path:
+            raise ConfigError("path", self.path, "must name a HF id, a directory or 'tiny'")
+        _one_of("dtype", self.dtype, DTYPES)
+        _one_of("device", self.device, DEVICES)
+        _positive("max_model_len", self.max_model_len)
+        if self.path == "tiny" and self.tiny is None:
+            raise ConfigError("tiny", None, "model.path=tiny needs the tiny settings (model=tiny)")
+
+
+# ---------------------------------------------------------------------------------------- algo
+
+
+def _registry_keys(module: str) -> tuple[str, ...]:
+    """Names registered in `bapo_cli.algos.<module>.REGISTRY` (the single list of valid names)."""
+    import importlib
+
+    return tuple(sorted(importlib.import_module(f"bapo_cli.algos.{module}").REGISTRY))
+
+
+def _aggregations() -> tuple[str, ...]:
+    from bapo_cli.algos import losses
+
+    return tuple(losses.AGGREGATIONS)
+
+
+@dataclass
+class AlgoConfig:
+    """Options every algorithm has: which loss, which advantage estimator, how tokens aggregate."""
+
+    name: str = opt(MISSING, "preset name (algo=<name>)")
+    loss: str = opt(MISSING, "policy loss, a key of bapo_cli.algos.losses.REGISTRY")
+    advantage: str = opt(MISSING, "advantage estimator, a key of bapo_cli.algos.advantages")
+    dual_clip: float | None = opt(
+        3.0, "dual-clip constant for negative advantages (verl's default); null turns it off"
+    )
+    agg: str = opt("token-mean", "token aggregation of the per-token loss")
+
+    def check(self) -> None:
+        _one_of("loss", self.loss, _registry_keys("losses"))
+        _one_of("advantage", self.advantage, _registry_keys("advantages"))
+        _one_of("agg", self.agg, _aggregations())
+        if self.dual_clip is not None and not self.dual_clip > 1.0:
+            raise ConfigError("dual_clip", self.dual_clip, "must be > 1 (or null to disable)")
+
+
+@dataclass
+class PPOAlgoConfig(AlgoConfig):
+    """Symmetric clipping [1 - eps, 1 + eps] (ppo, grpo)."""
+
+    eps: float = opt(0.2, "clip range: ratios outside [1 - eps, 1 + eps] are clipped")
+
+    def check(self) -> None:
+        super().check()
+        if not 0.0 < self.eps < 1.0:
+            raise ConfigError("eps", self.eps, "must be within (0, 1)")
+
+
+@dataclass
+class ClipHigherAlgoConfig(AlgoConfig):
+    """Decoupled clip range [1 - eps_low, 1 + eps_high] (DAPO's clip-higher)."""
+
+    eps_low: float = opt(0.2, "lower clip range: c_low = 1 - eps_low")
+    eps_high: float = opt(0.28, "upper clip range: c_high = 1 + eps_high (DAPO default)")
+
+    def check(self) -> None:
+        super().check()
+        if not 0.0 < self.eps_low < 1.0:
+            raise ConfigError("eps_low", self.eps_low, "must be within (0, 1)")
+        _positive("eps_high", self.eps_high)
+
+
+WEIGHTINGS = ("none", "rollout_prob")
+BOUND_SCOPES = ("minibatch", "microbatch")
+
+
+@dataclass
+class BapoAlgoConfig(AlgoConfig):
+    """BAPO: per-update adaptive (c_low, c_high) so positive tokens carry a share rho0 of the loss."""
+
+    rho0: float = opt(0.4, "target share of positive-advantage tokens in the active loss mass")
+    low_range: list[float] = opt([0.6, 0.9], "[a-, b-]: where c_low may move")
+    high_range: list[float] = opt([1.2, 3.0], "[a+, b+]: where c_high may move")
+    low_step: float = opt(0.02, "delta2: step of c_low along the search path")
+    high_step: float = opt(0.05, "delta1: step of c_high along the search path")
+    weighting: str = opt(
+        "none", "token weight in rho: none (w=1) or rollout_prob (w=pi_rollout, paper Eq. 8)"
+    )
+    bound_scope: str = opt(
+        "minibatch",
+        "minibatch = paper (one search per optimizer step over all micro-batches and ranks); "
+        "microbatch = cheaper approximation, one search per micro-batch",
+    )
+
+    def check(self) -> None:
+        super().check()
+        if not 0.0 <= self.rho0 <= 1.0:
+            raise ConfigError("rho0", self.rho0, "must be within [0, 1]")
+        for key, rng in (("low_range", self.low_range), ("high_range", self.high_range)):
+            if len(rng) != 2:
+                raise ConfigError(key, list(rng), "must be [min, max]")
+            if rng[0] > rng[1]:
+                raise ConfigError(key, list(rng), "min must be <= max")
+        lo, hi = self.low_range, self.high_range
+        if not (0.0 < lo[0] and lo[1] <= 1.0):
+            raise ConfigError("low_range", list(lo), "c_low must stay within (0, 1]")
+        if hi[0] < 1.0:
+            raise ConfigError("high_range", list(hi), "c_high must stay >= 1")
+        _positive("low_step", self.low_step)
+        _positive("high_step", self.high_step)
+        _one_of("weighting", self.weighting, WEIGHTINGS)
+        _one_of("bound_scope", self.bound_scope, BOUND_SCOPES)
+
+
+# ---------------------------------------------------------------------------- staleness / data
+
+REGIMES = ("reuse", "replay", "partial", "async")
+
+
+@dataclass
+class StalenessConfig:
+    """How far the behaviour policy lags the policy being updated (staleness=<k>)."""
+
+    k: int = opt(
+        0,
+        "reuse: optimizer updates per rollout batch (0 and 1 = on-policy); replay/async: "
+        "policy versions between generation and training; partial: versions a response may span",
+    )
+    regime: str = opt("reuse", "reuse | replay | partial | async")
+    ppo_epochs: int = opt(1, "passes over each rollout batch (reuse); multiplies the updates")
+
+    def check(self) -> None:
+        _positive("k", self.k, allow_zero=True)
+        _one_of("regime", self.regime, REGIMES)
+        _positive("ppo_epochs", self.ppo_epochs)
+        if self.regime != "reuse" and self.k == 0:
+            raise ConfigError(
+                "regime", self.regime, "needs staleness.k >= 1 (k=0 is on-policy: use reuse)"
+            )
+
+
+DATA_KINDS = ("arith", "dataset")
+
+
+@dataclass
+class DataConfig:
+    """Training prompts: the seeded synthetic task, or a prompt set by HF id or local file."""
+
+    name: str = opt("arith", "preset name")
+    kind: str = opt("arith", "arith (synthetic, exactly checkable) or dataset")
+    hf_id: str | None = opt(None, "HF dataset id (kind=dataset)")
+    path: str | None = opt(None, "local jsonl/parquet; wins over hf_id")
+    split: str = opt("train", "dataset split")
+    prompt_field: str = opt("problem", "field holding the question")
+    answer_field: str = opt("answer", "field holding the reference answer")
+    template: str = opt(
+        "{problem}\nPlease reason step by step, and put your final answer within \\boxed{{}}.",
+        "prompt template; {problem} is replaced by the question",
+    )
+    num_prompts: int = opt(4096, "synthetic prompts generated (kind=arith)")
+    seed: int = opt(0, "seed of the synthetic task and of prompt shuffling")
+
+    def check(self) -> None:
+        _one_of("kind", self.kind, DATA_KINDS)
+        if self.kind == "dataset" and not (self.hf_id or self.path):
+            raise ConfigError("path", None, "kind=dataset needs data.path or data.hf_id")
+        if "{problem}" not in self.template:
+            raise ConfigError("template", self.template, "must contain {problem}")
+        _positive("num_prompts", self.num_prompts)
+
+
+@dataclass
+class BenchmarkConfig:
+    """An evaluation set: a public HF dataset by id, or a local jsonl/parquet file."""
+
+    name: str = opt(MISSING, "benchmark name, used in metric keys eval/<name>/...")
+    hf_id: str | None = opt(None, "HF dataset id for users with a network")
+    hf_config: str | None = opt(None, "HF dataset config name, if the dataset has several")
+    split: str = opt("test", "dataset split")
+    path: str | None = opt(None, "local jsonl/parquet; wins over hf_id")
+    id_field: str = opt("id", "field holding the problem id")
+    problem_field: str = opt("problem", "field holding the question")
+    answer_field: str = opt("answer", "field holding the reference answer")
+
+    def check(self) -> None:
+        if not (self.hf_id or self.path):
+            raise ConfigError("path", None, "a benchmark needs benchmark.path or benchmark.hf_id")
+
+
+# ------------------------------------------------------------------------------------- rollout
+
+ENGINES = ("auto", "hf", "vllm")
+
+
+@dataclass
+class RolloutConfig:
+    """Generation: engine and sampling parameters."""
+
+    name: str = opt("auto", "engine: auto (vllm when it imports, else hf), hf or vllm")
+    n: int = opt(8, "samples per prompt (the GRPO group size)")
+    temperature: float = opt(1.0, "sampling temperature (0 = greedy)")
+    top_p: float = opt(1.0, "nucleus sampling mass")
+    top_k: int = opt(-1, "top-k sampling; -1 = off")
+    max_tokens: int = opt(16, "response token budget per sample")
+    stop: list[str] = opt([], "stop strings")
+    seed: int | None = opt(None, "sampling seed; null = trainer.seed")
+    gpu_memory_utilization: float = opt(0.5, "vLLM: share of GPU memory for weights + KV cache")
+    tensor_parallel_size: int = opt(1, "vLLM: GPUs per engine")
+    enable_sleep_mode: bool = opt(False, "vLLM on CUDA: free the KV cache while training")
+    tis_cap: float | None = opt(
+        None, "truncated importance-sampling cap for train/rollout mismatch; null = off"
+    )
+
+    def check(self) -> None:
+        _one_of("name", self.name, ENGINES)
+        if self.n < 1:
+            raise ConfigError("n", self.n, "must be >= 1")
+        _positive("temperature", self.temperature, allow_zero=True)
+        if not 0.0 < self.top_p <= 1.0:
+            raise ConfigError("top_p", self.top_p, "must be within (0, 1]")
+        if self.top_k == 0 or self.top_k < -1:
+            raise ConfigError("top_k", self.top_k, "must be -1 (off) or >= 1")
+        _positive("max_tokens", self.max_tokens)
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ConfigError(
+                "gpu_memory_utilization", self.gpu_memory_utilization, "must be within (0, 1]"
+            )
+        _positive("tensor_parallel_size", self.tensor_parallel_size)
+        if self.tis_cap is not None and not self.tis_cap >= 1.0:
+            raise ConfigError("tis_cap", self.tis_cap, "must be >= 1 (or null to disable)")
+
+
+# ------------------------------------------------------------------------------ tracking/paths
+
+TRACKING_BACKENDS = ("mlflow", "none")
+
+
+@dataclass
+class TrackingConfig:
+    """Where numbers go: an MLflow store (local file/SQLite or a server URI)."""
+
+    backend: str = opt("mlflow", "mlflow, or none to log nothing")
+    uri: str = opt(MISSING, "MLflow tracking URI (sqlite:///..., file:..., http://host:port)")
+    experiment: str = opt("bapo", "MLflow experiment name")
+    run_name: str | None = opt(None, "MLflow run name; null = derived from the overrides")
+
+    def check(self) -> None:
+        _one_of("backend", self.backend, TRACKING_BACKENDS)
+        if not self.experiment:
+            raise ConfigError("experiment", self.experiment, "must not be empty")
+
+
+@dataclass
+class PathsConfig:
+    """Absolute roots, fixed by the launching process so jobs started elsewhere still agree."""
+
+    output_root: str = opt(MISSING, "root of runs/, sweeps/ and the default MLflow store")
+
+
+# ------------------------------------------------------------------------------------- trainer
+
+
+@dataclass
+class TrainerConfig:
+    """The RL loop: steps, optimiser, batch shape, checkpoints, validation."""
+
+    max_steps: int = opt(50, "rollout batches to train on")
+    lr: float = opt(3e-4, "AdamW learning rate (paper: 1e-6 to 2e-6 for 7B models)")
+    weight_decay: float = opt(0.0, "AdamW weight decay")
+    grad_clip: float | None = opt(1.0, "max global grad norm; null = off")
+    prompts_per_step: int = opt(32, "prompts per rollout batch (each sampled rollout.n times)")
+    micro_batch_size: int = opt(64, "sequences per forward/backward (gradient accumulation)")
+    seed: int = opt(0, "seed of everything (0 is a seed)")
+    save_every: int = opt(0, "checkpoint every N steps; 0 = only at the end")
+    resume: bool = opt(False, "continue from the last checkpoint in the run dir")
+    val_every: int = opt(0, "validate every N steps; 0 = never")
+    val_benchmarks: list[str] = opt([], "benchmark names to validate on (val_every > 0)")
+    log_every: int = opt(1, "log metrics every N steps")
+
+    def check(self) -> None:
+        _positive("max_steps", self.max_steps)
+        _positive("lr", self.lr)
+        _positive("weight_decay", self.weight_decay, allow_zero=True)
+        if self.grad_clip is not None:
+            _positive("grad_clip", self.grad_clip)
+        _positive("prompts_per_step", self.prompts_per_step)
+        _positive("micro_batch_size", self.micro_batch_size)
+        _positive("save_every", self.save_every, allow_zero=True)
+        _positive("val_every", self.val_every, allow_zero=True)
+        _positive("log_every", self.log_every)
+        if self.val_every and not self.val_benchmarks:
+            raise ConfigError("val_benchmarks", [], "val_every > 0 needs at least one benchmark")
+
+
+@dataclass
+class EvalConfig:
+    """Scoring: samples per problem, which k to report, sampling defaults of the paper."""
+
+    n: int = opt(16, "samples per problem (the paper's avg@16)")
+    limit: int | None = opt(None, "score only the first N problems (smoke runs); null = all")
+    temperature: float = opt(0.6, "sampling temperature")
+    top_p: float = opt(0.95, "nucleus sampling mass")
+    max_tokens: int = opt(32768, "response token budget (sized for reasoning models)")
+    seed: int = opt(0, "sampling seed")
+
+    def check(self) -> None:
+        if self.n < 1:
+            raise ConfigError("n", self.n, "must be >= 1")
+        if self.limit is not None and self.limit < 1:
+            raise ConfigError("limit", self.limit, "must be >= 1 (or null for all problems)")
+        _positive("temperature", self.temperature, allow_zero=True)
+        if not 0.0 < self.top_p <= 1.0:
+            raise ConfigError("top_p", self.top_p, "must be within (0, 1]")
+        _positive("max_tokens", self.max_tokens)
+
+
+# ----------------------------------------------------------------------------------- top level
+
+GROUP_ADVANTAGES = ("grpo", "drgrpo", "rloo")
+
+
+@dataclass
+class TrainConfig:
+    """Everything `bapo train` needs; composed from conf/train.yaml."""
+
+    model: ModelConfig = opt(MISSING, "the policy")
+    algo: Any = opt(MISSING, "policy loss and advantages (algo=ppo|grpo|clip_higher|bapo)")
+    staleness: StalenessConfig = opt(MISSING, "off-policy regime (staleness=0|1|2|4|8)")
+    data: DataConfig = opt(MISSING, "training prompts")
+    rollout: RolloutConfig = opt(MISSING, "generation engine and sampling")
+    tracking: TrackingConfig = opt(MISSING, "MLflow tracking")
+    trainer: TrainerConfig = opt(MISSING, "the RL loop")
+    paths: PathsConfig = opt(MISSING, "output locations")
+
+    def check(self) -> None:
+        if self.algo.advantage in GROUP_ADVANTAGES and self.rollout.n < 2:
+            raise ConfigError(
+                "rollout.n",
+                self.rollout.n,
+                f"algo.advantage={self.algo.advantage} compares samples of one prompt: needs >= 2",
+            )
+        k = self.staleness.k
+        if self.staleness.regime == "reuse" and k > 1 and self.trainer.prompts_per_step % k:
+            raise ConfigError(
+                "trainer.prompts_per_step",
+                self.trainer.prompts_per_step,
+                f"must split into staleness.k={k} mini-batches of whole prompt groups",
+            )
+
+
+@dataclass
+class EvalRunConfig:
+    """Everything `bapo eval` needs; composed from conf/eval.yaml."""
+
+    model: ModelConfig = opt(MISSING, "the model to score")
+    benchmark: BenchmarkConfig = opt(MISSING, "benchmark=aime24|aime25|math500")
+    rollout: RolloutConfig = opt(MISSING, "generation engine (sampling comes from eval.*)")
+    tracking: TrackingConfig = opt(MISSING, "MLflow tracking")
+    eval: EvalConfig = opt(MISSING, "samples per problem and sampling")
+    paths: PathsConfig = opt(MISSING, "output locations")
+
+
+# ---------------------------------------------------------------------------------- validation
+
+ALGO_SCHEMAS = {
+    "_ppo_schema": PPOAlgoConfig,
+    "_clip_higher_schema": ClipHigherAlgoConfig,
+    "_bapo_schema": BapoAlgoConfig,
+}
+
+
+def register() -> None:
+    """Put the schemas into Hydra's ConfigStore (idempotent)."""
+    from hydra.core.config_store import ConfigStore
+
+    cs = ConfigStore.instance()
+    cs.store(name="_train_schema", node=TrainConfig)
+    cs.store(name="_eval_schema", node=EvalRunConfig)
+    for name, node in ALGO_SCHEMAS.items():
+        cs.store(group="algo", name=name, node=node)
+
+
+def validate(config: Any, prefix: str = "") -> None:
+    """Run every `check()` in the tree, children first; errors carry the full dotted key."""
+    if not dataclasses.is_dataclass(config):
+        return
+    for f in dataclasses.fields(config):
+        validate(getattr(config, f.name), f"{prefix}{f.name}.")
+    check = getattr(config, "check", None)
+    if check is not None:
+        try:
+            check()
+        except ConfigError as err:
+            raise err.under(prefix.rstrip(".")) from None
+
+
+def _type_name(f: dataclasses.Field) -> str:
+    text = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
+    return text.replace("Config", "")
+
+
+def _default_text(f: dataclasses.Field) -> str:
+    if f.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
+        return str(f.default_factory())  # type: ignore[misc]
+    return "" if f.default is MISSING else str(f.default)
+
+
+ALGO_PRESETS_OF = {
+    PPOAlgoConfig: "ppo, grpo",
+    ClipHigherAlgoConfig: "clip_higher",
+    BapoAlgoConfig: "bapo",
+}
+
+
+def option_docs(top: type, prefix: str = "") -> list[tuple[str, str, str, str]]:
+    """Every option as (dotted key, type, default, help): the generated config reference."""
+    rows: list[tuple[str, str, str, str]] = []
+    for f in dataclasses.fields(top):
+        key = f"{prefix}{f.name}"
+        nested = _nested_schema(top, f)
+        if f.name == "algo" and top is TrainConfig:
+            rows += option_docs(AlgoConfig, "algo.")
+            for cls, presets in ALGO_PRESETS_OF.items():
+                own = {g.name for g in dataclasses.fields(AlgoConfig)}
+                for row in option_docs(cls, "algo."):
+                    if row[0].removeprefix("algo.") not in own:
+                        rows.append((row[0], row[1], row[2], f"[{presets}] {row[3]}"))
+        elif nested is not None:
+            rows += option_docs(nested, key + ".")
+        else:
+            rows.append((key, _type_name(f), _default_text(f), f.metadata.get("help", "")))
+    return rows
+
+
+def _nested_schema(owner: type, f: dataclasses.Field) -> type | None:
+    import typing
+
+    hint = typing.get_type_hints(owner)[f.name]
+    for candidate in (hint, *typing.get_args(hint)):
+        if dataclasses.is_dataclass(candidate):
+            return candidate  # type: ignore[return-value]
+    return None

@@ -1,0 +1,52 @@
+"""Hydra task functions: one composed DictConfig in, one validated run out.
+
+Hydra calls these once per job (a single run or each job of a multirun, in whatever process the
+launcher chose). They validate again, since a sampling sweeper (Optuna) picks values the CLI's
+pre-flight could not see, then hand the typed config and the job's absolute run dir on.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig
+from rich.console import Console
+
+from bapo_cli import plan
+from bapo_cli.config.errors import USAGE_EXIT_CODE, ConfigError
+from bapo_cli.config.preflight import to_validated
+
+NOT_YET = (
+    "[yellow]Nothing was trained: the RL loop is not part of this version yet. The composed "
+    "config is saved in {dir}/.hydra/config.yaml.[/yellow]"
+)
+
+
+def _validated(cfg: DictConfig):
+    try:
+        return to_validated(cfg)
+    except ConfigError as err:
+        print(f"error: {err.line()}", file=sys.stderr)
+        sys.exit(USAGE_EXIT_CODE)
+
+
+def _run_dir() -> Path:
+    return Path(HydraConfig.get().runtime.output_dir)
+
+
+def train_job(cfg: DictConfig) -> None:
+    config = _validated(cfg)
+    run_dir = _run_dir()
+    console = Console()
+    plan.show("bapo train", plan.train_rows(config, run_dir), console)
+    console.print(NOT_YET.format(dir=run_dir))
+
+
+def eval_job(cfg: DictConfig) -> None:
+    config = _validated(cfg)
+    run_dir = _run_dir()
+    console = Console()
+    plan.show("bapo eval", plan.eval_rows(config, run_dir), console)
+    console.print(NOT_YET.replace("trained", "scored").format(dir=run_dir))

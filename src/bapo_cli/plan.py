@@ -1,0 +1,115 @@
+"""Say, in plain words, what a validated config would run.
+
+`bapo train` and `bapo eval` print this before they start (and, until the training and evaluation
+engines land, instead of starting): the model, the loss and its clip bounds, what staleness means
+for this regime, the batch shape, the engine `rollout=auto` resolves to, and where numbers go.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from bapo_cli.config.schema import (
+    BapoAlgoConfig,
+    ClipHigherAlgoConfig,
+    EvalRunConfig,
+    PPOAlgoConfig,
+    TrainConfig,
+)
+
+
+def resolve_engine(name: str) -> tuple[str, str]:
+    """(engine, why): `auto` picks vLLM when it imports, else transformers."""
+    if name != "auto":
+        return name, "selected"
+    if importlib.util.find_spec("vllm") is not None:
+        return "vllm", "auto: vllm is installed"
+    return "hf", "auto: vllm is not installed"
+
+
+def describe_clip(algo: object) -> str:
+    if isinstance(algo, BapoAlgoConfig):
+        lo, hi = algo.low_range, algo.high_range
+        return (
+            f"adaptive: c_high {hi[0]}→{hi[1]} by {algo.high_step}, then c_low {lo[0]}→{lo[1]} "
+            f"by {algo.low_step}, until rho ≥ {algo.rho0} (per {algo.bound_scope})"
+        )
+    if isinstance(algo, ClipHigherAlgoConfig):
+        return f"[{1 - algo.eps_low:g}, {1 + algo.eps_high:g}]"
+    if isinstance(algo, PPOAlgoConfig):
+        return f"[{1 - algo.eps:g}, {1 + algo.eps:g}]"
+    return "?"
+
+
+def describe_staleness(k: int, regime: str, epochs: int) -> str:
+    if regime == "reuse":
+        updates = max(k, 1) * epochs
+        if updates == 1:
+            return "on-policy: one optimizer update per rollout batch"
+        return (
+            f"reuse: {updates} optimizer updates per rollout batch "
+            f"({max(k, 1)} mini-batches × {epochs} epochs); the first is on-policy"
+        )
+    return {
+        "replay": f"replay: train on rollouts generated {k} policy versions ago",
+        "partial": f"partial rollout: a response may span up to {k + 1} policy versions",
+        "async": f"async: generation runs {k} policy versions ahead of training",
+    }[regime]
+
+
+def _table(title: str, rows: list[tuple[str, str]]) -> Table:
+    table = Table(title=title, show_header=False, title_justify="left")
+    table.add_column(style="bold cyan")
+    table.add_column()
+    for key, value in rows:
+        table.add_row(key, value)
+    return table
+
+
+def _tracking(cfg: TrainConfig | EvalRunConfig) -> str:
+    if cfg.tracking.backend == "none":
+        return "off (tracking=none)"
+    return f"{cfg.tracking.uri}  experiment={cfg.tracking.experiment}"
+
+
+def train_rows(cfg: TrainConfig, run_dir: Path) -> list[tuple[str, str]]:
+    engine, why = resolve_engine(cfg.rollout.name)
+    seqs = cfg.trainer.prompts_per_step * cfg.rollout.n
+    return [
+        ("model", f"{cfg.model.name} ({cfg.model.path})"),
+        ("algo", f"{cfg.algo.name}: loss={cfg.algo.loss} advantage={cfg.algo.advantage}"),
+        ("clip", describe_clip(cfg.algo)),
+        ("dual clip", "off" if cfg.algo.dual_clip is None else f"{cfg.algo.dual_clip:g}"),
+        (
+            "staleness",
+            describe_staleness(cfg.staleness.k, cfg.staleness.regime, cfg.staleness.ppo_epochs),
+        ),
+        ("data", f"{cfg.data.name} ({cfg.data.kind})"),
+        ("rollout", f"{engine} ({why}); n={cfg.rollout.n} T={cfg.rollout.temperature:g}"),
+        ("batch", f"{cfg.trainer.prompts_per_step} prompts × {cfg.rollout.n} = {seqs} sequences"),
+        ("steps", f"{cfg.trainer.max_steps} at lr {cfg.trainer.lr:g}, seed {cfg.trainer.seed}"),
+        ("tracking", _tracking(cfg)),
+        ("run dir", str(run_dir)),
+    ]
+
+
+def eval_rows(cfg: EvalRunConfig, run_dir: Path) -> list[tuple[str, str]]:
+    engine, why = resolve_engine(cfg.rollout.name)
+    source = cfg.benchmark.path or f"{cfg.benchmark.hf_id} [{cfg.benchmark.split}]"
+    limit = "all problems" if cfg.eval.limit is None else f"first {cfg.eval.limit} problems"
+    return [
+        ("model", f"{cfg.model.name} ({cfg.model.path})"),
+        ("benchmark", f"{cfg.benchmark.name}: {source}, {limit}"),
+        ("sampling", f"n={cfg.eval.n} T={cfg.eval.temperature:g} top_p={cfg.eval.top_p:g}"),
+        ("engine", f"{engine} ({why})"),
+        ("tracking", _tracking(cfg)),
+        ("run dir", str(run_dir)),
+    ]
+
+
+def show(title: str, rows: list[tuple[str, str]], console: Console | None = None) -> None:
+    (console or Console()).print(_table(title, rows))

@@ -1,0 +1,64 @@
+"""MLflow access shared by the CLI: reading back tracked runs (`bapo runs`).
+
+Writing (params, metrics, parent/child runs) joins this module with the training engine.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class RunRow:
+    run_id: str
+    experiment: str
+    name: str
+    status: str
+    start: str
+    metrics: dict[str, float]
+
+
+def sqlite_path(uri: str) -> Path | None:
+    """The file behind a `sqlite:///...` URI, else None."""
+    prefix = "sqlite:///"
+    return Path(uri[len(prefix) :]) if uri.startswith(prefix) else None
+
+
+def store_exists(uri: str) -> bool:
+    """False for a local store that was never written (reading it would create it)."""
+    path = sqlite_path(uri)
+    if path is not None:
+        return path.is_file()
+    if uri.startswith("file:") or "://" not in uri:
+        return Path(uri.removeprefix("file://").removeprefix("file:")).is_dir()
+    return True
+
+
+def list_runs(uri: str, experiment: str | None = None, limit: int = 50) -> list[RunRow]:
+    """Newest runs first, across experiments unless one is named."""
+    from datetime import datetime
+
+    from mlflow.tracking import MlflowClient
+
+    if not store_exists(uri):
+        return []
+    client = MlflowClient(tracking_uri=uri)
+    experiments = client.search_experiments()
+    if experiment is not None:
+        experiments = [e for e in experiments if e.name == experiment]
+    names = {e.experiment_id: e.name for e in experiments}
+    if not names:
+        return []
+    runs = client.search_runs(list(names), order_by=["attributes.start_time DESC"], max_results=limit)
+    return [
+        RunRow(
+            run_id=r.info.run_id,
+            experiment=names[r.info.experiment_id],
+            name=r.info.run_name or "",
+            status=r.info.status,
+            start=datetime.fromtimestamp(r.info.start_time / 1000).strftime("%Y-%m-%d %H:%M:%S"),
+            metrics=dict(r.data.metrics),
+        )
+        for r in runs
+    ]

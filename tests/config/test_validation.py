@@ -1,0 +1,114 @@
+"""Every validation rule: one readable line that names the key and what is allowed."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+
+from bapo_cli.config.preflight import PreflightError, preflight
+
+# (overrides, the line must start with, and must contain)
+RULES = [
+    (["algo=foo"], "algo=foo", "valid: bapo, clip_higher, grpo, ppo"),
+    (["staleness=3"], "staleness=3", "valid: 0, 1, 2, 4, 8"),
+    (["model=nope"], "model=nope", "valid: "),
+    (["algo.rho0=abc"], "algo.rho0=abc", "must be a number"),
+    (["rollout.n=two"], "rollout.n=two", "must be an integer"),
+    (["trainer.resume=maybe"], "trainer.resume=maybe", "true or false"),
+    (["algo.rho0=1.5"], "algo.rho0=1.5", "within [0, 1]"),
+    (["algo.rho0=-0.1"], "algo.rho0=-0.1", "within [0, 1]"),
+    (["algo.low_range=[0.0,0.9]"], "algo.low_range", "(0, 1]"),
+    (["algo.low_range=[0.6,1.2]"], "algo.low_range", "(0, 1]"),
+    (["algo.high_range=[0.8,3.0]"], "algo.high_range", ">= 1"),
+    (["algo.high_range=[3.0,1.2]"], "algo.high_range", "min must be <= max"),
+    (["algo.low_range=[0.9,0.6]"], "algo.low_range", "min must be <= max"),
+    (["algo.low_range=[0.6]"], "algo.low_range", "[min, max]"),
+    (["algo.low_step=0"], "algo.low_step=0", "> 0"),
+    (["algo.high_step=-0.05"], "algo.high_step=-0.05", "> 0"),
+    (["algo.weighting=sqrt"], "algo.weighting=sqrt", "none, rollout_prob"),
+    (["algo.bound_scope=rank"], "algo.bound_scope=rank", "minibatch, microbatch"),
+    (["algo.agg=sum"], "algo.agg=sum", "token-mean"),
+    (["algo.loss=reinforce"], "algo.loss=reinforce", "bapo, clip_higher, ppo"),
+    (["algo.advantage=gae"], "algo.advantage=gae", "drgrpo, grpo, rloo"),
+    (["algo.dual_clip=0.5"], "algo.dual_clip=0.5", "> 1"),
+    (["algo=grpo", "algo.eps=1.5"], "algo.eps=1.5", "(0, 1)"),
+    (["algo=clip_higher", "algo.eps_high=0"], "algo.eps_high=0", "> 0"),
+    (["algo=grpo", "algo.rho0=0.3"], "algo.rho0", "unknown key"),
+    (["staleness.k=-1"], "staleness.k=-1", ">= 0"),
+    (["staleness.regime=lag"], "staleness.regime=lag", "reuse, replay, partial, async"),
+    (["staleness=0", "staleness.regime=replay"], "staleness.regime=replay", "staleness.k >= 1"),
+    (["staleness.ppo_epochs=0"], "staleness.ppo_epochs=0", "> 0"),
+    (["rollout.n=0"], "rollout.n=0", ">= 1"),
+    (["rollout.n=1"], "rollout.n=1", "needs >= 2"),
+    (["rollout.temperature=-1"], "rollout.temperature=-1", ">= 0"),
+    (["rollout.top_p=0"], "rollout.top_p=0", "(0, 1]"),
+    (["rollout.top_k=0"], "rollout.top_k=0", "-1 (off)"),
+    (["rollout.max_tokens=0"], "rollout.max_tokens=0", "> 0"),
+    (["rollout.tis_cap=0.5"], "rollout.tis_cap=0.5", ">= 1"),
+    (["rollout.name=sglang"], "rollout.name=sglang", "auto, hf, vllm"),
+    (["trainer.lr=-1e-3"], "trainer.lr=-0.001", "> 0"),
+    (["trainer.max_steps=0"], "trainer.max_steps=0", "> 0"),
+    (["trainer.prompts_per_step=30", "staleness=4"], "trainer.prompts_per_step=30", "staleness.k=4"),
+    (["trainer.val_every=5"], "trainer.val_benchmarks", "at least one benchmark"),
+    (["trainer.grad_clip=0"], "trainer.grad_clip=0", "> 0"),
+    (["model.dtype=fp8"], "model.dtype=fp8", "auto, float32, bfloat16, float16"),
+    (["model.device=tpu"], "model.device=tpu", "auto, cpu, cuda"),
+    (["model=qwen2.5-math-1.5b", "model.path=tiny"], "model.tiny", "model=tiny"),
+    (["model.tiny.num_kv_heads=3"], "model.tiny.num_kv_heads=3", "divide num_heads"),
+    (["model.tiny.sft_target_acc=1.5"], "model.tiny.sft_target_acc=1.5", "(0, 1)"),
+    (["data.kind=dataset"], "data.path", "data.path or data.hf_id"),
+    (["data.template=no-placeholder"], "data.template=no-placeholder", "{problem}"),
+    (["tracking.backend=wandb"], "tracking.backend=wandb", "mlflow, none"),
+    (["nosuchkey=1"], "nosuchkey", "unknown key"),
+    (["algo.nosuchkey=1"], "algo.nosuchkey", "unknown key"),
+]
+
+
+@pytest.mark.parametrize(("overrides", "starts", "contains"), RULES)
+def test_rule_names_key_and_allowed_values(overrides, starts, contains) -> None:
+    with pytest.raises(PreflightError) as info:
+        preflight("train", overrides)
+    line = str(info.value)
+    assert "\n" not in line
+    assert line.startswith(starts), line
+    assert contains in line, line
+
+
+EVAL_RULES = [
+    (["benchmark=aime26"], "benchmark=aime26", "valid: aime24, aime25, math500"),
+    (["eval.n=0"], "eval.n=0", ">= 1"),
+    (["eval.limit=0"], "eval.limit=0", ">= 1"),
+    (["eval.top_p=2"], "eval.top_p=2", "(0, 1]"),
+    (["benchmark.hf_id=null"], "benchmark.path", "benchmark.path or benchmark.hf_id"),
+]
+
+
+@pytest.mark.parametrize(("overrides", "starts", "contains"), EVAL_RULES)
+def test_eval_rule_names_key(overrides, starts, contains) -> None:
+    with pytest.raises(PreflightError) as info:
+        preflight("eval", overrides)
+    assert str(info.value).startswith(starts), str(info.value)
+    assert contains in str(info.value)
+
+
+def test_sweep_is_validated_job_by_job_before_any_starts() -> None:
+    with pytest.raises(PreflightError) as info:
+        preflight("train", ["algo.rho0=0.3,1.5"], multirun=True)
+    assert str(info.value).startswith("algo.rho0=1.5")
+    with pytest.raises(PreflightError) as info:
+        preflight("train", ["algo=bapo,foo"], multirun=True)
+    assert str(info.value).startswith("algo=foo: unknown option")
+
+
+def test_missing_launcher_plugin_says_what_to_install() -> None:
+    try:
+        installed = importlib.util.find_spec("hydra_plugins.hydra_submitit_launcher") is not None
+    except ModuleNotFoundError:  # no hydra plugin at all
+        installed = False
+    if installed:
+        pytest.skip("the submitit launcher is installed")
+    with pytest.raises(PreflightError) as info:
+        preflight("train", ["hydra/launcher=submitit_slurm"], multirun=True)
+    assert str(info.value).startswith("hydra/launcher=submitit_slurm: no such option")
+    assert "pip install 'bapo-cli[sweep or slurm]'" in str(info.value)

@@ -1,0 +1,33 @@
+"""Shared fixtures: every test writes under its own output root, never into ./outputs."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED_DATA = REPO.parent / "shared" / "data"
+
+
+@pytest.fixture(autouse=True)
+def _output_root(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    root = tmp_path / "outputs"
+    monkeypatch.setenv("BAPO_OUTPUT_ROOT", str(root))
+    monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
+    return root
+
+
+def run_bapo(*args: str, cwd: Path | None = None, env: dict | None = None, timeout: int = 300):
+    """The real console entry point in a subprocess (`python -m bapo_cli ...`)."""
+    return subprocess.run(
+        [sys.executable, "-m", "bapo_cli", *args],
+        cwd=cwd,
+        env={**os.environ, "COLUMNS": "200", **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
