@@ -36,6 +36,7 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     context_settings={"help_option_names": ["-h", "--help"]},
+    pretty_exceptions_enable=False,
 )
 
 OVERRIDES_HELP = "Hydra overrides: key=value, +key=value, ~key, group=option, a=1,2,3 (with -m)."
@@ -99,7 +100,7 @@ def train(
     epilog=(
         "Examples:\n\n"
         "  bapo eval model.path=Qwen/Qwen2.5-Math-1.5B benchmark=aime24 eval.n=16\n\n"
-        "  bapo eval benchmark=math500 benchmark.path=../shared/data/math500.jsonl eval.limit=20\n\n"
+        "  bapo eval benchmark=math500 benchmark.path=data/math500.jsonl eval.limit=20\n\n"
         "  bapo eval -m benchmark=aime24,aime25"
     ),
 )
@@ -145,7 +146,7 @@ def _print_docs(top: type) -> None:
     from bapo_cli.config import schema
 
     table = Table(title=f"Options of bapo {'train' if top is schema.TrainConfig else 'eval'}")
-    for column in ("key", "type", "default", "meaning"):
+    for column in ("key", "type", "schema default", "meaning"):
         table.add_column(column, overflow="fold")
     for key, type_name, default, help_text in schema.option_docs(top):
         table.add_row(key, type_name, default, help_text)

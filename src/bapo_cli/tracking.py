@@ -50,7 +50,9 @@ def list_runs(uri: str, experiment: str | None = None, limit: int = 50) -> list[
     names = {e.experiment_id: e.name for e in experiments}
     if not names:
         return []
-    runs = client.search_runs(list(names), order_by=["attributes.start_time DESC"], max_results=limit)
+    runs = client.search_runs(
+        list(names), order_by=["attributes.start_time DESC"], max_results=limit
+    )
     return [
         RunRow(
             run_id=r.info.run_id,

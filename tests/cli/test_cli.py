@@ -85,7 +85,10 @@ def test_train_single_run_creates_run_dir_and_says_what_would_run(_output_root: 
     assert result.returncode == 0, result.stderr
     runs = list((_output_root / "runs").glob("*/*"))
     assert len(runs) == 1
-    assert re.fullmatch(r"\d{4}-\d{2}-\d{2}/\d{2}-\d{2}-\d{2}", runs[0].relative_to(_output_root / "runs").as_posix())
+    assert re.fullmatch(
+        r"\d{4}-\d{2}-\d{2}/\d{2}-\d{2}-\d{2}",
+        runs[0].relative_to(_output_root / "runs").as_posix(),
+    )
     saved = yaml.safe_load((runs[0] / ".hydra" / "config.yaml").read_text())
     assert saved["algo"]["name"] == "grpo" and saved["staleness"]["k"] == 8
     assert "8 optimizer updates per rollout batch" in result.stdout
@@ -98,7 +101,9 @@ def test_train_multirun_launches_two_jobs(_output_root: Path) -> None:
     assert result.returncode == 0, result.stderr
     jobs = sorted((_output_root / "sweeps").glob("*/*/[0-9]*"))
     assert [j.name for j in jobs] == ["0", "1"]
-    rhos = [yaml.safe_load((j / ".hydra" / "config.yaml").read_text())["algo"]["rho0"] for j in jobs]
+    rhos = [
+        yaml.safe_load((j / ".hydra" / "config.yaml").read_text())["algo"]["rho0"] for j in jobs
+    ]
     assert rhos == [0.3, 0.5]
     overrides = [yaml.safe_load((j / ".hydra" / "overrides.yaml").read_text()) for j in jobs]
     assert "algo.rho0=0.3" in overrides[0] and "algo.rho0=0.5" in overrides[1]

@@ -9,7 +9,16 @@ import pytest
 from bapo_cli.config import hydra_runner, schema
 from bapo_cli.config.preflight import preflight
 
-TRAIN_GROUPS = ["model", "algo", "staleness", "data", "rollout", "tracking", "trainer", "experiment"]
+TRAIN_GROUPS = [
+    "model",
+    "algo",
+    "staleness",
+    "data",
+    "rollout",
+    "tracking",
+    "trainer",
+    "experiment",
+]
 EVAL_GROUPS = ["model", "benchmark", "rollout", "tracking", "eval"]
 
 
@@ -82,11 +91,27 @@ def test_every_schema_field_is_documented() -> None:
     assert undocumented == []
     keys = {row[0] for row in rows}
     # the contract names of design.md
-    for key in ["algo.rho0", "algo.low_range", "algo.high_range", "algo.low_step",
-                "algo.high_step", "staleness.regime", "model.path", "rollout.n",
-                "rollout.temperature", "rollout.max_tokens", "trainer.max_steps", "trainer.lr",
-                "trainer.seed", "trainer.save_every", "trainer.resume", "tracking.uri",
-                "eval.n", "eval.limit", "benchmark.path"]:
+    for key in [
+        "algo.rho0",
+        "algo.low_range",
+        "algo.high_range",
+        "algo.low_step",
+        "algo.high_step",
+        "staleness.regime",
+        "model.path",
+        "rollout.n",
+        "rollout.temperature",
+        "rollout.max_tokens",
+        "trainer.max_steps",
+        "trainer.lr",
+        "trainer.seed",
+        "trainer.save_every",
+        "trainer.resume",
+        "tracking.uri",
+        "eval.n",
+        "eval.limit",
+        "benchmark.path",
+    ]:
         assert key in keys, key
 
 
@@ -94,4 +119,3 @@ def test_every_yaml_starts_with_the_command_that_uses_it() -> None:
     for path in sorted(hydra_runner.config_dir().rglob("*.yaml")):
         head = [line for line in path.read_text().splitlines()[:2] if line.startswith("#")]
         assert any(re.match(r"# bapo (train|eval)\b", line) for line in head), path
-

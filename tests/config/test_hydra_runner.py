@@ -20,7 +20,10 @@ def test_numeric_group_choices_are_quoted_for_hydra() -> None:
     out = hydra_runner.normalize_overrides(["staleness=4", "algo.rho0=0.4"])
     assert out[:2] == ["staleness='4'", "algo.rho0=0.4"]
     assert hydra_runner.normalize_overrides(["staleness=0,4,8"])[0] == "staleness='0','4','8'"
-    assert hydra_runner.normalize_overrides(["staleness=choice(0,8)"])[0] == "staleness=choice('0','8')"
+    assert (
+        hydra_runner.normalize_overrides(["staleness=choice(0,8)"])[0]
+        == "staleness=choice('0','8')"
+    )
     # already quoted values and other keys are left alone
     assert hydra_runner.normalize_overrides(["staleness='2'"])[0] == "staleness='2'"
     assert hydra_runner.normalize_overrides(["trainer.max_steps=4"])[0] == "trainer.max_steps=4"
@@ -35,20 +38,26 @@ def test_output_root_is_pinned_once(monkeypatch, tmp_path) -> None:
 
 
 def test_expand_sweep_enumerates_the_basic_sweepers_jobs() -> None:
-    jobs = hydra_runner.expand_sweep(["algo=grpo,bapo", "trainer.lr=1e-3", "trainer.seed=range(0,3)"])
+    jobs = hydra_runner.expand_sweep(
+        ["algo=grpo,bapo", "trainer.lr=1e-3", "trainer.seed=range(0,3)"]
+    )
     assert len(jobs) == 6
     assert all("trainer.lr=0.001" in job for job in jobs)  # Hydra normalises values
     assert {tuple(sorted(j for j in job if j.startswith("algo="))) for job in jobs} == {
         ("algo=grpo",),
         ("algo=bapo",),
     }
-    assert hydra_runner.expand_sweep(["hydra/sweeper=optuna", "algo.rho0=interval(0.3,0.5)"]) is None
+    assert (
+        hydra_runner.expand_sweep(["hydra/sweeper=optuna", "algo.rho0=interval(0.3,0.5)"]) is None
+    )
     assert hydra_runner.expand_sweep(["algo.rho0=interval(0.3,0.5)"]) is None
 
 
 def _record(store: list):
     def task(cfg: DictConfig) -> None:
-        store.append((cfg.algo.rho0, HydraConfig.get().runtime.output_dir, HydraConfig.get().mode.name))
+        store.append(
+            (cfg.algo.rho0, HydraConfig.get().runtime.output_dir, HydraConfig.get().mode.name)
+        )
 
     return task
 
@@ -60,7 +69,9 @@ def test_run_single(tmp_path: Path) -> None:
     assert len(seen) == 1
     rho, out_dir, mode = seen[0]
     assert (rho, mode) == (0.35, "RUN")
-    assert Path(out_dir).is_absolute() and Path(out_dir).is_relative_to(tmp_path / "outputs" / "runs")
+    assert Path(out_dir).is_absolute() and Path(out_dir).is_relative_to(
+        tmp_path / "outputs" / "runs"
+    )
 
 
 def test_run_multirun_with_intermixed_flag(tmp_path: Path) -> None:
@@ -80,6 +91,8 @@ def test_run_reports_task_errors_like_hydra(tmp_path: Path) -> None:
 
     with pytest.raises(SystemExit) as info:
         hydra_runner.run(
-            hydra_runner.normalize_overrides(["tracking=none"]), config_name="train", task_function=boom
+            hydra_runner.normalize_overrides(["tracking=none"]),
+            config_name="train",
+            task_function=boom,
         )
     assert info.value.code == 1

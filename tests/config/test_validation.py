@@ -49,7 +49,11 @@ RULES = [
     (["rollout.name=sglang"], "rollout.name=sglang", "auto, hf, vllm"),
     (["trainer.lr=-1e-3"], "trainer.lr=-0.001", "> 0"),
     (["trainer.max_steps=0"], "trainer.max_steps=0", "> 0"),
-    (["trainer.prompts_per_step=30", "staleness=4"], "trainer.prompts_per_step=30", "staleness.k=4"),
+    (
+        ["trainer.prompts_per_step=30", "staleness=4"],
+        "trainer.prompts_per_step=30",
+        "staleness.k=4",
+    ),
     (["trainer.val_every=5"], "trainer.val_benchmarks", "at least one benchmark"),
     (["trainer.grad_clip=0"], "trainer.grad_clip=0", "> 0"),
     (["model.dtype=fp8"], "model.dtype=fp8", "auto, float32, bfloat16, float16"),

@@ -78,7 +78,9 @@ def _explain_omegaconf(err: Any) -> str:
     if converted:
         value, _, target = converted.groups()
         return f"{key}={value}: must be {_type_word(target)}"
-    incompatible = re.search(r"Value '(.*)' \((\w+)\) is incompatible with type hint '([^']+)'", msg)
+    incompatible = re.search(
+        r"Value '(.*)' \((\w+)\) is incompatible with type hint '([^']+)'", msg
+    )
     if incompatible:
         value, _, hint = incompatible.groups()
         return f"{key}={value}: must be {_type_word(hint)}"

@@ -43,12 +43,18 @@ def group_options(group: str) -> list[str]:
 
 
 def config_groups() -> list[str]:
-    return sorted(p.name for p in config_dir().iterdir() if p.is_dir() and not p.name.startswith("_"))
+    return sorted(
+        p.name for p in config_dir().iterdir() if p.is_dir() and not p.name.startswith("_")
+    )
 
 
 def _numeric_groups() -> set[str]:
     """Groups whose options are integers (staleness=4): Hydra wants them as strings."""
-    return {g for g in config_groups() if group_options(g) and all(o.isdigit() for o in group_options(g))}
+    return {
+        g
+        for g in config_groups()
+        if group_options(g) and all(o.isdigit() for o in group_options(g))
+    }
 
 
 def normalize_overrides(overrides: list[str]) -> list[str]:
@@ -103,7 +109,9 @@ def expand_sweep(overrides: list[str]) -> list[list[str]] | None:
         if not sweeper.endswith("=basic"):
             return None
     parsed = OverridesParser.create().parse_overrides(overrides)
-    if any(o.is_sweep_override() and not o.is_choice_sweep() and not o.is_range_sweep() for o in parsed):
+    if any(
+        o.is_sweep_override() and not o.is_choice_sweep() and not o.is_range_sweep() for o in parsed
+    ):
         return None  # interval(...)/glob: the selected sweeper samples them
     batches = BasicSweeper.split_arguments(parsed, max_batch_size=None)
     return [list(job) for batch in batches for job in batch]

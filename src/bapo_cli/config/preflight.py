@@ -63,9 +63,7 @@ def check_group_choices(overrides: list[str]) -> None:
             if value is None and group == "experiment":
                 continue
             if str(value) not in valid:
-                raise PreflightError(
-                    f"{group}={value}: unknown option; valid: {', '.join(valid)}"
-                )
+                raise PreflightError(f"{group}={value}: unknown option; valid: {', '.join(valid)}")
 
 
 def _compose_checked(config_name: str, overrides: list[str]) -> Any:
@@ -84,7 +82,7 @@ def _compose_checked(config_name: str, overrides: list[str]) -> Any:
 
 
 def preflight(config_name: str, overrides: list[str], *, multirun: bool = False) -> Preflight:
-    """Normalise, check and compose; raise PreflightError with one readable line if anything is off."""
+    """Normalise, check and compose; raise PreflightError (one readable line) if anything is off."""
     overrides = hydra_runner.normalize_overrides(list(overrides))
     check_group_choices(overrides)
     if not multirun:

@@ -170,7 +170,7 @@ BOUND_SCOPES = ("minibatch", "microbatch")
 
 @dataclass
 class BapoAlgoConfig(AlgoConfig):
-    """BAPO: per-update adaptive (c_low, c_high) so positive tokens carry a share rho0 of the loss."""
+    """BAPO: per-update adaptive (c_low, c_high) so positive tokens carry a share rho0 of loss."""
 
     rho0: float = opt(0.4, "target share of positive-advantage tokens in the active loss mass")
     low_range: list[float] = opt([0.6, 0.9], "[a-, b-]: where c_low may move")
@@ -196,7 +196,7 @@ class BapoAlgoConfig(AlgoConfig):
             if rng[0] > rng[1]:
                 raise ConfigError(key, list(rng), "min must be <= max")
         lo, hi = self.low_range, self.high_range
-        if not (0.0 < lo[0] and lo[1] <= 1.0):
+        if not (lo[0] > 0.0 and lo[1] <= 1.0):
             raise ConfigError("low_range", list(lo), "c_low must stay within (0, 1]")
         if hi[0] < 1.0:
             raise ConfigError("high_range", list(hi), "c_high must stay >= 1")

@@ -1,0 +1,91 @@
+"""The configs are found from any working directory, by an editable and by a wheel install."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.conftest import REPO, run_bapo
+
+
+def test_editable_install_works_from_another_directory(tmp_path: Path) -> None:
+    result = run_bapo("config", "algo=clip_higher", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert yaml.safe_load(result.stdout)["algo"]["eps_high"] == 0.28
+
+
+@pytest.mark.slow
+def test_wheel_install_ships_configs_and_works_from_another_directory(tmp_path: Path) -> None:
+    wheels, target = tmp_path / "wheels", tmp_path / "site"
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "-q",
+            "--no-deps",
+            "--no-build-isolation",
+            "-w",
+            str(wheels),
+            str(REPO),
+        ],
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
+    (wheel,) = wheels.glob("bapo_cli-*.whl")
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "-q",
+            "--no-deps",
+            "--target",
+            str(target),
+            str(wheel),
+        ],
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
+    assert (target / "bapo_cli" / "conf" / "train.yaml").is_file()
+    env = {**os.environ, "PYTHONPATH": str(target)}  # the wheel's copy shadows the editable one
+    where = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import bapo_cli; from bapo_cli.config.hydra_runner import config_dir; "
+            "print(bapo_cli.__file__); print(config_dir())",
+        ],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split()
+    assert Path(where[0]).is_relative_to(target)
+    assert Path(where[1]) == target / "bapo_cli" / "conf"
+    result = run_bapo(
+        "config", "algo=bapo", "staleness=8", cwd=tmp_path, env={"PYTHONPATH": str(target)}
+    )
+    assert result.returncode == 0, result.stderr
+    cfg = yaml.safe_load(result.stdout)
+    assert (cfg["algo"]["rho0"], cfg["staleness"]["k"]) == (0.4, 8)
+    sweep = run_bapo(
+        "train",
+        "-m",
+        "algo.rho0=0.3,0.5",
+        "tracking=none",
+        cwd=tmp_path,
+        env={"PYTHONPATH": str(target)},
+    )
+    assert sweep.returncode == 0, sweep.stderr
+    assert "2 jobs" in sweep.stdout
