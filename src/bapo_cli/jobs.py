@@ -19,8 +19,8 @@ from bapo_cli.config.errors import USAGE_EXIT_CODE, ConfigError
 from bapo_cli.config.preflight import to_validated
 
 NOT_YET = (
-    "[yellow]Nothing was trained: the RL loop is not part of this version yet. The composed "
-    "config is saved in {dir}/.hydra/config.yaml.[/yellow]"
+    "[yellow]Nothing was scored: the evaluation engine is not part of this version yet. The "
+    "composed config is saved in {dir}/.hydra/config.yaml.[/yellow]"
 )
 
 
@@ -36,12 +36,17 @@ def _run_dir() -> Path:
     return Path(HydraConfig.get().runtime.output_dir)
 
 
-def train_job(cfg: DictConfig) -> None:
+def train_job(cfg: DictConfig) -> float:
+    """Train; returns the final mean reward (the objective an Optuna sweep maximizes)."""
+    from bapo_cli.train import train
+
     config = _validated(cfg)
     run_dir = _run_dir()
     console = Console()
     plan.show("bapo train", plan.train_rows(config, run_dir), console)
-    console.print(NOT_YET.format(dir=run_dir))
+    result = train(config, run_dir, console)
+    tail = result.history[-max(len(result.history) // 10, 1) :]
+    return sum(h["reward/mean"] for h in tail) / len(tail)
 
 
 def eval_job(cfg: DictConfig) -> None:
@@ -49,4 +54,4 @@ def eval_job(cfg: DictConfig) -> None:
     run_dir = _run_dir()
     console = Console()
     plan.show("bapo eval", plan.eval_rows(config, run_dir), console)
-    console.print(NOT_YET.replace("trained", "scored").format(dir=run_dir))
+    console.print(NOT_YET.format(dir=run_dir))

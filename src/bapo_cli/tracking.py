@@ -1,12 +1,14 @@
-"""MLflow access shared by the CLI: reading back tracked runs (`bapo runs`).
+"""MLflow, the one tracking interface: writing a run (trainer) and reading runs back (`bapo runs`).
 
-Writing (params, metrics, parent/child runs) joins this module with the training engine.
+Metric keys are namespaced with `/` (design.md: reward/mean, actor/entropy, bapo/c_low, ...).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Protocol
 
 
 @dataclass(frozen=True)
@@ -64,3 +66,149 @@ def list_runs(uri: str, experiment: str | None = None, limit: int = 50) -> list[
         )
         for r in runs
     ]
+
+
+# ------------------------------------------------------------------------------------ writing
+
+
+def flatten(tree: Any, prefix: str = "") -> dict[str, str]:
+    """Nested config → {"algo.rho0": "0.4", ...}, the shape MLflow params take."""
+    out: dict[str, str] = {}
+    if dataclasses.is_dataclass(tree) and not isinstance(tree, type):
+        tree = {f.name: getattr(tree, f.name) for f in dataclasses.fields(tree)}
+    if isinstance(tree, dict):
+        for key, value in tree.items():
+            out.update(flatten(value, f"{prefix}{key}."))
+        return out
+    out[prefix.rstrip(".")] = str(tree)
+    return out
+
+
+class Tracker(Protocol):
+    """What the trainer logs through. `MlflowTracker` is real; `NullTracker` logs nothing."""
+
+    run_id: str | None
+
+    def log_params(self, params: dict[str, str]) -> None: ...
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None: ...
+    def log_text(self, text: str, artifact_file: str) -> None: ...
+    def log_artifact(self, path: Path, artifact_path: str | None = None) -> None: ...
+    def flush(self) -> None: ...
+    def close(self, status: str = "FINISHED") -> None: ...
+
+
+class NullTracker:
+    run_id: str | None = None
+
+    def log_params(self, params: dict[str, str]) -> None:
+        pass
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        pass
+
+    def log_text(self, text: str, artifact_file: str) -> None:
+        pass
+
+    def log_artifact(self, path: Path, artifact_path: str | None = None) -> None:
+        pass
+
+    def flush(self) -> None:
+        pass
+
+    def close(self, status: str = "FINISHED") -> None:
+        pass
+
+
+MAX_PARAM_VALUE = 6000  # MLflow's limit on a param value (characters)
+MAX_BATCH_PARAMS = 100  # MLflow's limit of params per log_batch call
+MAX_BATCH_METRICS = 1000  # MLflow's limit of metrics per log_batch call
+
+
+class MlflowTracker:
+    """One MLflow run through `MlflowClient` (no global fluent state, so several runs can live in
+    one process, as in a Hydra multirun). Metrics are buffered and sent with `log_batch` every
+    `flush_every` steps: on SQLite that was ~13x faster than one call per step."""
+
+    def __init__(
+        self,
+        uri: str,
+        experiment: str,
+        *,
+        run_name: str | None = None,
+        run_id: str | None = None,
+        tags: dict[str, str] | None = None,
+        flush_every: int = 10,
+    ) -> None:
+        from mlflow.tracking import MlflowClient
+
+        path = sqlite_path(uri)
+        if path is not None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+        self.client = MlflowClient(tracking_uri=uri)
+        self.uri = uri
+        self.flush_every = flush_every
+        self._pending: list[Any] = []
+        self._steps_since_flush = 0
+        if run_id is not None:  # resume: the same run, reopened
+            self.client.update_run(run_id, status="RUNNING")
+            self.run_id = run_id
+        else:
+            exp_id = ensure_experiment(self.client, experiment)
+            run = self.client.create_run(exp_id, run_name=run_name, tags=tags or {})
+            self.run_id = run.info.run_id
+
+    def log_params(self, params: dict[str, str]) -> None:
+        from mlflow.entities import Param
+
+        items = [Param(k, str(v)[:MAX_PARAM_VALUE]) for k, v in params.items()]
+        for start in range(0, len(items), MAX_BATCH_PARAMS):
+            self.client.log_batch(self.run_id, params=items[start : start + MAX_BATCH_PARAMS])
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        import math
+        import time
+
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        self._pending += [
+            Metric(k, float(v), now, step) for k, v in metrics.items() if math.isfinite(float(v))
+        ]
+        self._steps_since_flush += 1
+        if self._steps_since_flush >= self.flush_every:
+            self.flush()
+
+    def flush(self) -> None:
+        pending, self._pending, self._steps_since_flush = self._pending, [], 0
+        for start in range(0, len(pending), MAX_BATCH_METRICS):
+            self.client.log_batch(self.run_id, metrics=pending[start : start + MAX_BATCH_METRICS])
+
+    def log_text(self, text: str, artifact_file: str) -> None:
+        self.client.log_text(self.run_id, text, artifact_file)
+
+    def log_artifact(self, path: Path, artifact_path: str | None = None) -> None:
+        self.client.log_artifact(self.run_id, str(path), artifact_path)
+
+    def close(self, status: str = "FINISHED") -> None:
+        self.flush()
+        self.client.set_terminated(self.run_id, status=status)
+
+
+def ensure_experiment(client: Any, name: str) -> str:
+    """The experiment's id, created if missing (tolerating a concurrent creator)."""
+    found = client.get_experiment_by_name(name)
+    if found is not None:
+        return found.experiment_id
+    try:
+        return client.create_experiment(name)
+    except Exception:
+        found = client.get_experiment_by_name(name)
+        if found is None:
+            raise
+        return found.experiment_id
+
+
+def make_tracker(backend: str, uri: str, experiment: str, **kwargs: Any) -> Tracker:
+    if backend == "none":
+        return NullTracker()
+    return MlflowTracker(uri, experiment, **kwargs)

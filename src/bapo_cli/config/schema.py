@@ -129,8 +129,12 @@ class AlgoConfig:
         3.0, "dual-clip constant for negative advantages (verl's default); null turns it off"
     )
     agg: str = opt("token-mean", "token aggregation of the per-token loss")
+    kl_coef: float = opt(
+        0.0, "weight of a k3 KL penalty to the initial policy (0 = no reference model, as the paper)"
+    )
 
     def check(self) -> None:
+        _positive("kl_coef", self.kl_coef, allow_zero=True)
         _one_of("loss", self.loss, _registry_keys("losses"))
         _one_of("advantage", self.advantage, _registry_keys("advantages"))
         _one_of("agg", self.agg, _aggregations())
@@ -354,6 +358,10 @@ class PathsConfig:
 # ------------------------------------------------------------------------------------- trainer
 
 
+LR_SCHEDULES = ("constant", "cosine")
+OLD_LOGPROBS = ("behaviour", "recompute")
+
+
 @dataclass
 class TrainerConfig:
     """The RL loop: steps, optimiser, batch shape, checkpoints, validation."""
@@ -370,9 +378,25 @@ class TrainerConfig:
     val_every: int = opt(0, "validate every N steps; 0 = never")
     val_benchmarks: list[str] = opt([], "benchmark names to validate on (val_every > 0)")
     log_every: int = opt(1, "log metrics every N steps")
+    warmup_steps: int = opt(0, "optimizer updates of linear learning-rate warm-up")
+    lr_schedule: str = opt("constant", "after warm-up: constant or cosine (to 10% at the end)")
+    old_logprob: str = opt(
+        "behaviour",
+        "ratio denominator: behaviour (log-prob recorded when the token was sampled) or "
+        "recompute (decoupled PPO: pi_old re-scored by the trainer when the batch is first used)",
+    )
+    log_samples: int = opt(4, "samples per step written to samples.jsonl (prompt, response, reward)")
+    max_skipped_steps: int = opt(
+        5, "consecutive non-finite updates (skipped) before training stops with an error"
+    )
 
     def check(self) -> None:
         _positive("max_steps", self.max_steps)
+        _positive("warmup_steps", self.warmup_steps, allow_zero=True)
+        _one_of("lr_schedule", self.lr_schedule, LR_SCHEDULES)
+        _one_of("old_logprob", self.old_logprob, OLD_LOGPROBS)
+        _positive("log_samples", self.log_samples, allow_zero=True)
+        _positive("max_skipped_steps", self.max_skipped_steps)
         _positive("lr", self.lr)
         _positive("weight_decay", self.weight_decay, allow_zero=True)
         if self.grad_clip is not None:

@@ -1,0 +1,118 @@
+"""The rollout interface every generation engine implements, and the records it produces.
+
+An engine turns requests (prompt token ids, optionally a partial response to continue) into new
+tokens with the sampling parameters, and reports for each new token the behaviour log-probability
+when it can (vLLM does; the transformers engine leaves it to the trainer, see below) and why it
+stopped. Engines are colocated with the trainer: `sync_weights` copies the trainer's weights in
+from memory after an optimizer step and records the policy version they carry, so every token can
+be stamped with the version that sampled it (staleness is measured from these stamps).
+
+A `Sample` is one response as the trainer sees it: prompt ids, response ids, the behaviour
+log-prob and policy version of every response token, the finish reason, its prompt group (the
+GRPO group) and, once graded, its reward.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+from bapo_cli.algos.registry import Registry
+
+FINISH_STOP = "stop"  # end-of-sequence token or a stop string
+FINISH_LENGTH = "length"  # rollout.max_tokens reached
+FINISH_BUDGET = "budget"  # partial rollout: this step's token budget reached, to be continued
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    max_tokens: int = 16
+    stop: tuple[str, ...] = ()
+    seed: int | None = None
+
+
+@dataclass(frozen=True)
+class Request:
+    """Generate up to `max_tokens` new tokens after prompt + prefix (prefix: a partial response)."""
+
+    prompt_ids: tuple[int, ...]
+    prefix_ids: tuple[int, ...] = ()
+    max_tokens: int = 16
+
+
+@dataclass
+class Generation:
+    token_ids: list[int]
+    logprobs: list[float] | None  # behaviour log-probs of token_ids; None = the trainer scores
+    finish_reason: str
+
+
+@dataclass
+class Sample:
+    """One response, token by token, with everything the loss and the staleness metrics need."""
+
+    prompt_ids: list[int]
+    group: int  # index of the prompt group (samples of one prompt share advantages' baseline)
+    problem: Any  # the task item (id, question, answer)
+    response_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)  # behaviour log-prob per response token
+    versions: list[int] = field(default_factory=list)  # policy version per response token
+    finish_reason: str = FINISH_BUDGET
+    reward: float | None = None
+    advantage: float = 0.0
+    text: str = ""
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason != FINISH_BUDGET
+
+
+class RolloutEngine(Protocol):
+    """What the trainer needs from a generation engine."""
+
+    name: str
+    version: int  # policy version of the weights the engine samples from
+
+    def generate(self, requests: Sequence[Request], params: SamplingParams) -> list[Generation]:
+        """One Generation per request, in order."""
+        ...
+
+    def sync_weights(self, model: torch.nn.Module, version: int) -> float:
+        """Load the trainer's current weights (from memory); return the seconds it took."""
+        ...
+
+    def close(self) -> None: ...
+
+
+ENGINES: Registry = Registry("rollout engine")
+
+
+def resolve_engine_name(name: str) -> str:
+    """`auto` → vllm when it imports, else hf (the choice is printed and logged by the trainer)."""
+    import importlib.util
+
+    if name != "auto":
+        return name
+    have = all(importlib.util.find_spec(m) is not None for m in ("vllm", "bapo_cli.rollout.vllm"))
+    return "vllm" if have else "hf"
+
+
+def make_engine(name: str, **kwargs: Any) -> RolloutEngine:
+    """Build the engine registered as `name` (hf, vllm); `auto` resolves first."""
+    import bapo_cli.rollout.hf  # noqa: F401  (registers "hf")
+
+    resolved = resolve_engine_name(name)
+    if resolved == "vllm":
+        try:
+            import bapo_cli.rollout.vllm  # noqa: F401  (registers "vllm")
+        except ImportError as exc:
+            raise ValueError(
+                f"rollout=vllm: the vLLM engine cannot be loaded ({exc}); use rollout=hf"
+            ) from exc
+    return ENGINES.get(resolved)(**kwargs)

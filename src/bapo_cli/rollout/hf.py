@@ -1,0 +1,119 @@
+"""Generation with transformers' `generate()` on the trainer's own model (`rollout=hf`).
+
+Works everywhere (CPU, one GPU), slowest of the engines. The engine holds a reference to the
+trainer's model, so its weights are always the trainer's current weights and `sync_weights` only
+records the new policy version.
+
+Behaviour log-probs: this engine returns none. The trainer scores the sampled tokens with its own
+forward pass right after sampling, before any update, with the same weights and the same tensor
+layout as its first update (bapo_cli.policy). The recorded log-probs are therefore exactly the
+behaviour policy's, and an on-policy update sees a ratio of exactly 1 (with an engine that
+computes log-probs in other kernels, such as vLLM, that ratio is 1 only up to the mismatch
+`rollout/logprob_abs_diff` measures).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from bapo_cli.rollout.base import (
+    ENGINES,
+    FINISH_BUDGET,
+    FINISH_STOP,
+    Generation,
+    Request,
+    SamplingParams,
+)
+
+
+@ENGINES.register("hf")
+class HFEngine:
+    """Batched sampling through `model.generate`, left-padded, one row per request."""
+
+    name = "hf"
+
+    def __init__(self, model: torch.nn.Module, tokenizer, batch_size: int = 256, **_: object):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.batch_size = batch_size
+        self.version = 0
+        self.pad_id = tokenizer.pad_token_id
+        self.eos_ids = _eos_ids(model, tokenizer)
+
+    def sync_weights(self, model: torch.nn.Module, version: int) -> float:
+        if model is not self.model:  # a different module: copy its weights in, from memory
+            self.model.load_state_dict(model.state_dict())
+        self.version = version
+        return 0.0
+
+    def close(self) -> None:
+        self.model = None
+
+    @torch.no_grad()
+    def generate(self, requests: Sequence[Request], params: SamplingParams) -> list[Generation]:
+        out: list[Generation] = []
+        for start in range(0, len(requests), self.batch_size):
+            out += self._generate_batch(requests[start : start + self.batch_size], params)
+        return out
+
+    def _generate_batch(self, requests: Sequence[Request], params: SamplingParams) -> list[Generation]:
+        device = next(self.model.parameters()).device
+        rows = [list(r.prompt_ids) + list(r.prefix_ids) for r in requests]
+        width = max(len(r) for r in rows)
+        input_ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
+        attention = torch.zeros((len(rows), width), dtype=torch.long)
+        for i, row in enumerate(rows):  # left padding, as generation needs
+            input_ids[i, width - len(row) :] = torch.tensor(row)
+            attention[i, width - len(row) :] = 1
+        budget = max(r.max_tokens for r in requests)
+        sample = params.temperature > 0
+        kwargs = dict(
+            max_new_tokens=budget,
+            do_sample=sample,
+            pad_token_id=self.pad_id,
+            eos_token_id=self.eos_ids,
+        )
+        if sample:
+            kwargs.update(
+                temperature=params.temperature,
+                top_p=params.top_p,
+                top_k=params.top_k if params.top_k > 0 else None,
+            )
+        if params.stop:
+            kwargs.update(stop_strings=list(params.stop), tokenizer=self.tokenizer)
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            generated = self.model.generate(
+                input_ids=input_ids.to(device), attention_mask=attention.to(device), **kwargs
+            )
+        finally:
+            self.model.train(was_training)
+        new = generated[:, width:].tolist()
+        return [self._finish(tokens, req, params) for tokens, req in zip(new, requests, strict=True)]
+
+    def _finish(self, tokens: list[int], request: Request, params: SamplingParams) -> Generation:
+        """Cut at the first end token (kept), a stop string, or this request's budget."""
+        kept = tokens[: request.max_tokens]
+        for i, tok in enumerate(kept):
+            if tok in self.eos_ids:
+                return Generation(kept[: i + 1], None, FINISH_STOP)
+        if params.stop and self.pad_id in kept:  # generate() pads rows ended by a stop string
+            return Generation(kept[: kept.index(self.pad_id)], None, FINISH_STOP)
+        return Generation(kept, None, FINISH_BUDGET)
+
+
+def _eos_ids(model: torch.nn.Module, tokenizer) -> list[int]:
+    ids: set[int] = set()
+    for source in (getattr(model, "generation_config", None), tokenizer):
+        eos = getattr(source, "eos_token_id", None)
+        if isinstance(eos, int):
+            ids.add(eos)
+        elif eos:
+            ids.update(int(e) for e in eos)
+    if not ids:
+        raise ValueError("the tokenizer has no end-of-sequence token: generation could not stop")
+    return sorted(ids)
+

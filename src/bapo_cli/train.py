@@ -1,0 +1,433 @@
+"""`bapo train`: the off-policy RL loop, top to bottom.
+
+    config → model + tokenizer → prompts → engine → staleness regime
+    each step:  rollouts (behaviour log-probs, policy version per token) → rewards → advantages
+                → one optimizer update per mini-batch (BAPO: bounds solved per update)
+                → weight sync to the engine → metrics to MLflow → checkpoint
+
+The loop itself knows no algorithm: the loss comes from `algos.losses.REGISTRY[algo.loss]`, the
+advantages from `algos.advantages.REGISTRY[algo.advantage]`, the staleness from
+`staleness.regimes.REGIMES[staleness.regime]`, the engine from `rollout.base.ENGINES`.
+
+Run it: `bapo train algo=bapo staleness=4` (tiny model, synthetic arithmetic, CPU is fine).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import subprocess
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+from omegaconf import OmegaConf
+from rich.console import Console
+
+from bapo_cli import checkpoint, models
+from bapo_cli.algos import advantages as adv_registry
+from bapo_cli.config.schema import TrainConfig
+from bapo_cli.policy import MicroBatch, collate, disable_dropout, record_behaviour
+from bapo_cli.progress import TrainProgress, summary_table
+from bapo_cli.rollout.base import Sample, SamplingParams, make_engine, resolve_engine_name
+from bapo_cli.rollout.collect import Collector
+from bapo_cli.staleness.regimes import Regime, make_regime
+from bapo_cli.tracking import Tracker, flatten, make_tracker
+from bapo_cli.update import LossSpec, loss_spec, optimizer_update
+
+
+class TrainingError(RuntimeError):
+    """Training cannot go on; the message says why and what was kept."""
+
+
+@dataclass
+class TrainState:
+    step: int = 0  # rollout steps done
+    version: int = 0  # optimizer updates applied = policy version
+    skipped_in_a_row: int = 0
+    history: list[dict[str, float]] = field(default_factory=list)
+
+
+@dataclass
+class TrainResult:
+    run_dir: Path
+    run_id: str | None
+    history: list[dict[str, float]]
+    checkpoint: Path | None
+
+
+def train(cfg: TrainConfig, run_dir: Path, console: Console | None = None) -> TrainResult:
+    console = console or Console()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    ckpt_root = run_dir / "checkpoints"
+    resume_from = checkpoint.latest(ckpt_root) if cfg.trainer.resume else None
+    checkpoint.seed_everything(cfg.trainer.seed)
+    torch.use_deterministic_algorithms(True, warn_only=True)
+
+    # --- model, data, engine -------------------------------------------------------------
+    # on resume the policy comes from the checkpoint (HF format), everything else from the config
+    model_cfg = cfg.model if resume_from is None else replace(cfg.model, path=str(resume_from))
+    model, tokenizer = models.load_policy(model_cfg)
+    disable_dropout(model)
+    model.train()
+    device = next(model.parameters()).device
+    ref_model = _reference(model, cfg)
+    prompts = PromptStream(cfg, tokenizer, console)
+    engine_name = resolve_engine_name(cfg.rollout.name)
+    console.print(f"rollout engine: [bold]{engine_name}[/bold] (rollout={cfg.rollout.name})")
+    engine = make_engine(engine_name, model=model, tokenizer=tokenizer, cfg=cfg)
+    sampling = SamplingParams(
+        temperature=cfg.rollout.temperature,
+        top_p=cfg.rollout.top_p,
+        top_k=cfg.rollout.top_k,
+        max_tokens=cfg.rollout.max_tokens,
+        stop=tuple(cfg.rollout.stop),
+        seed=cfg.rollout.seed if cfg.rollout.seed is not None else cfg.trainer.seed,
+    )
+    spec = loss_spec(cfg.algo)
+    updates_per_batch = max(cfg.staleness.k, 1) if cfg.staleness.regime == "reuse" else 1
+    micro_size = cfg.trainer.micro_batch_size
+
+    def layout(samples: list[Sample]) -> list[list[MicroBatch]]:
+        """Mini-batches (one per optimizer update) of micro-batches; the same split scores the
+        behaviour log-probs and trains, so an on-policy update sees identical tensors."""
+        return [
+            [
+                collate(part[i : i + micro_size], tokenizer.pad_token_id, device)
+                for i in range(0, len(part), micro_size)
+            ]
+            for part in regime.split(samples)
+        ]
+
+    def score(samples: list[Sample]) -> None:
+        for mini in layout(samples):
+            for mb in mini:
+                record_behaviour(model, mb, cfg.rollout.temperature)
+
+    collector = Collector(
+        engine=engine,
+        tokenizer=tokenizer,
+        params=sampling,
+        n=cfg.rollout.n,
+        encode=prompts.encode,
+        reward=prompts.reward,
+        score=score,
+    )
+    regime = make_regime(
+        cfg.staleness.regime,
+        k=cfg.staleness.k,
+        epochs=cfg.staleness.ppo_epochs,
+        collector=collector,
+        draw=prompts.draw,
+        prompts_per_step=cfg.trainer.prompts_per_step,
+    )
+
+    # --- optimizer ------------------------------------------------------------------------
+    total_updates = cfg.trainer.max_steps * updates_per_batch * cfg.staleness.ppo_epochs
+    optimizer = torch.optim.AdamW(
+        model.parameters(), lr=cfg.trainer.lr, weight_decay=cfg.trainer.weight_decay
+    )
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, _lr_lambda(cfg.trainer.warmup_steps, total_updates, cfg.trainer.lr_schedule)
+    )
+
+    # --- tracking and resume --------------------------------------------------------------
+    state = TrainState()
+    run_id = None
+    if resume_from is not None:
+        saved = checkpoint.load_state(resume_from)
+        optimizer.load_state_dict(saved["optimizer"])
+        scheduler.load_state_dict(saved["scheduler"])
+        regime.load_state_dict(saved["regime"])
+        prompts.load_state_dict(saved["prompts"])
+        collector.next_group = saved["next_group"]
+        state = TrainState(**saved["state"])
+        run_id = saved.get("run_id")
+        checkpoint.set_rng_state(saved["rng"])
+        console.print(f"resumed from {resume_from} at step {state.step}")
+    tracker = make_tracker(
+        cfg.tracking.backend,
+        cfg.tracking.uri,
+        cfg.tracking.experiment,
+        run_name=cfg.tracking.run_name or _run_name(cfg),
+        run_id=run_id,
+        tags=_tags(cfg, engine_name),
+    )
+    if resume_from is None:
+        tracker.log_params(flatten(cfg))
+        tracker.log_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)), "config.yaml")
+    samples_file = run_dir / "samples.jsonl"
+
+    # --- the loop -------------------------------------------------------------------------
+    last_ckpt = resume_from
+    status = "FAILED"
+    try:
+        with TrainProgress(cfg.trainer.max_steps, state.step, console) as progress:
+            while state.step < cfg.trainer.max_steps:
+                metrics = _train_step(
+                    cfg, state, model, ref_model, optimizer, scheduler, regime, engine, spec,
+                    layout, collector, samples_file,
+                )
+                state.step += 1
+                state.history.append(metrics)
+                if state.step % cfg.trainer.log_every == 0 or state.step == cfg.trainer.max_steps:
+                    tracker.log_metrics(metrics, step=state.step)
+                progress.update(state.step, metrics)
+                at_end = state.step == cfg.trainer.max_steps
+                if at_end or (cfg.trainer.save_every and state.step % cfg.trainer.save_every == 0):
+                    tracker.flush()
+                    last_ckpt = checkpoint.save(
+                        ckpt_root,
+                        state.step,
+                        model,
+                        tokenizer,
+                        {
+                            "optimizer": optimizer.state_dict(),
+                            "scheduler": scheduler.state_dict(),
+                            "regime": regime.state_dict(),
+                            "prompts": prompts.state_dict(),
+                            "next_group": collector.next_group,
+                            "state": state.__dict__,
+                            "run_id": tracker.run_id,
+                            "rng": checkpoint.rng_state(),
+                        },
+                    )
+        status = "FINISHED"
+    finally:
+        if samples_file.exists():
+            tracker.log_artifact(samples_file)
+        tracker.close(status)
+        engine.close()
+    console.print(summary_table(state.history, run_dir, cfg.tracking.uri, tracker.run_id))
+    return TrainResult(run_dir, tracker.run_id, state.history, last_ckpt)
+
+
+def _train_step(
+    cfg, state, model, ref_model, optimizer, scheduler, regime: Regime, engine, spec: LossSpec,
+    layout, collector: Collector, samples_file: Path,
+) -> dict[str, float]:
+    """Rollouts → rewards → advantages → updates → weight sync; returns the step's metrics."""
+    t0 = time.perf_counter()
+    tokens_before = collector.generated_tokens
+    batch = regime.next_batch()
+    rollout_s = time.perf_counter() - t0
+    new_tokens = collector.generated_tokens - tokens_before
+    rewards = torch.tensor([s.reward for s in batch], dtype=torch.float64)
+    groups = torch.tensor([s.group for s in batch])
+    adv, adv_stats = adv_registry.REGISTRY.get(cfg.algo.advantage)(rewards, groups)
+    for s, a in zip(batch, adv.tolist(), strict=True):
+        s.advantage = a
+
+    t1 = time.perf_counter()
+    update_metrics: list[dict[str, float]] = []
+    trained_tokens = 0
+    minis = layout(batch)  # the tensors the behaviour log-probs were scored on (reuse)
+    recomputed: dict[int, torch.Tensor] = {}
+    for i in range(len(minis) * cfg.staleness.ppo_epochs):
+        micro = minis[i % len(minis)]
+        for j, mb in enumerate(micro):
+            mb.advantages = torch.tensor(
+                [s.advantage for s in mb.samples], dtype=torch.float32, device=mb.mask.device
+            )
+            if cfg.trainer.old_logprob == "recompute":  # decoupled PPO: pi_old at first use
+                key = (i % len(minis)) * 100_000 + j
+                if key not in recomputed:
+                    recomputed[key] = _recompute(model, mb, cfg.rollout.temperature)
+                mb.old_log_prob = recomputed[key]
+        result = optimizer_update(
+            model, optimizer, micro, spec,
+            temperature=cfg.rollout.temperature,
+            grad_clip=cfg.trainer.grad_clip,
+            version=state.version,
+            ref_model=ref_model,
+        )
+        if result.skipped:
+            state.skipped_in_a_row += 1
+            if state.skipped_in_a_row >= cfg.trainer.max_skipped_steps:
+                raise TrainingError(
+                    f"{state.skipped_in_a_row} consecutive updates had a non-finite loss or "
+                    "gradient; stopped (the last checkpoint is from before the trouble)"
+                )
+        else:
+            state.skipped_in_a_row = 0
+            state.version += 1
+            scheduler.step()
+        result.metrics["skipped"] = float(result.skipped)
+        update_metrics.append(result.metrics)
+        trained_tokens += result.tokens
+    train_s = time.perf_counter() - t1
+    sync_s = engine.sync_weights(model, state.version)
+    step_s = time.perf_counter() - t0
+    _write_samples(samples_file, state.step + 1, batch, cfg.trainer.log_samples)
+    return _step_metrics(
+        batch, adv_stats, update_metrics, optimizer,
+        rollout_s=rollout_s, train_s=train_s, sync_s=sync_s, step_s=step_s,
+        new_tokens=new_tokens, trained_tokens=trained_tokens, is_bapo=spec.name == "bapo",
+    )
+
+
+@torch.no_grad()
+def _recompute(model, mb: MicroBatch, temperature: float) -> torch.Tensor:
+    """Decoupled PPO: pi_old re-scored by the current weights when the batch is first used."""
+    from bapo_cli.policy import token_logprobs
+
+    logp, _ = token_logprobs(model, mb, temperature)
+    return logp
+
+
+def _step_metrics(batch, adv_stats, updates, optimizer, *, rollout_s, train_s, sync_s, step_s,
+                  new_tokens, trained_tokens, is_bapo) -> dict[str, float]:
+    rewards = [s.reward for s in batch]
+    lengths = [len(s.response_ids) for s in batch]
+    out: dict[str, float] = {
+        "reward/mean": sum(rewards) / len(rewards),
+        "reward/acc": sum(r > 0 for r in rewards) / len(rewards),
+        "response/length_mean": sum(lengths) / len(lengths),
+        "response/clip_frac": sum(s.finish_reason == "length" for s in batch) / len(batch),
+        "adv/zero_variance_frac": float(adv_stats.get("zero_variance_frac", 0.0)),
+        "actor/lr": optimizer.param_groups[0]["lr"],
+        "actor/updates": float(len(updates)),
+        "actor/skipped_steps": sum(u["skipped"] for u in updates),
+        "perf/step_s": step_s,
+        "perf/rollout_s": rollout_s,
+        "perf/rollout_tokens_per_s": new_tokens / max(rollout_s, 1e-9),
+        "perf/train_tokens_per_s": trained_tokens / max(train_s, 1e-9),
+        "perf/weight_sync_s": sync_s,
+    }
+    names = {
+        "entropy": "actor/entropy", "grad_norm": "actor/grad_norm", "ppo_kl": "actor/ppo_kl",
+        "clipfrac_low": "actor/clipfrac_low", "clipfrac_high": "actor/clipfrac_high",
+        "ratio_mean": "actor/ratio_mean", "ratio_max": "actor/ratio_max",
+        "pos_mass": "actor/pos_mass", "neg_mass": "actor/neg_mass", "ref_kl": "actor/ref_kl",
+        "nonfinite_tokens": "actor/nonfinite_tokens",
+        "c_low": "actor/c_low", "c_high": "actor/c_high",
+        "staleness_mean": "staleness/mean",
+    }
+    if is_bapo:
+        names.update(rho_before="bapo/rho_before", rho="bapo/rho", search_steps="bapo/search_steps")
+    for key, name in names.items():
+        values = [u[key] for u in updates if key in u]
+        if values:
+            out[name] = sum(values) / len(values)
+    if is_bapo:
+        out["bapo/c_low"], out["bapo/c_high"] = out["actor/c_low"], out["actor/c_high"]
+    out["staleness/max"] = max((u.get("staleness_max", 0.0) for u in updates), default=0.0)
+    out["actor/ratio_max"] = max((u.get("ratio_max", 0.0) for u in updates), default=0.0)
+    for key in updates[0] if updates else []:
+        if key.startswith("quadrant_"):
+            out[f"tokens/{key}"] = sum(u[key] for u in updates) / len(updates)
+    return out
+
+
+def _write_samples(path: Path, step: int, batch: list[Sample], count: int) -> None:
+    if count <= 0:
+        return
+    with path.open("a", encoding="utf-8") as f:
+        for s in batch[:count]:
+            record = {
+                "step": step,
+                "id": getattr(s.problem, "id", None),
+                "prompt": getattr(s.problem, "question", None),
+                "response": s.text,
+                "reward": s.reward,
+                "versions": [min(s.versions, default=0), max(s.versions, default=0)],
+            }
+            f.write(json.dumps(record) + "\n")
+
+
+def _lr_lambda(warmup: int, total: int, schedule: str):
+    def factor(update: int) -> float:
+        if warmup and update < warmup:
+            return (update + 1) / warmup
+        if schedule == "cosine":
+            progress = (update - warmup) / max(total - warmup, 1)
+            return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
+        return 1.0
+
+    return factor
+
+
+def _reference(model: torch.nn.Module, cfg: TrainConfig) -> torch.nn.Module | None:
+    if cfg.algo.kl_coef <= 0:
+        return None
+    ref = copy.deepcopy(model)
+    ref.requires_grad_(False)
+    return ref
+
+
+def _run_name(cfg: TrainConfig) -> str:
+    return f"{cfg.algo.name}-{cfg.staleness.regime}{cfg.staleness.k}-{cfg.model.name}-s{cfg.trainer.seed}"
+
+
+def _tags(cfg: TrainConfig, engine: str) -> dict[str, str]:
+    tags = {
+        "algo": cfg.algo.name,
+        "staleness": str(cfg.staleness.k),
+        "regime": cfg.staleness.regime,
+        "model": cfg.model.name,
+        "rollout": engine,
+    }
+    try:
+        commit = subprocess.run(
+            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5,
+            cwd=Path(__file__).parent,
+        ).stdout.strip()
+        if commit:
+            tags["git_commit"] = commit
+    except (OSError, subprocess.TimeoutExpired):
+        pass
+    return tags
+
+
+class PromptStream:
+    """The training prompts as an endless, seeded, resumable stream (position = prompts drawn).
+
+    Regimes draw different counts per step (partial rollouts top up their pool), so the stream is
+    addressed by position, not by step; the order is the prompt set's seeded per-epoch shuffle.
+    """
+
+    def __init__(self, cfg: TrainConfig, tokenizer: Any, console: Console) -> None:
+        from functools import partial
+
+        from bapo_cli.data.datasets import build_prompt_set
+
+        self.tokenizer = tokenizer
+        prompt_set = build_prompt_set(cfg.data)
+        limit = max(cfg.model.max_model_len - cfg.rollout.max_tokens, 1)
+        fmt = partial(models.format_prompt, tokenizer)
+        self.prompt_set, dropped = prompt_set.filter_long(tokenizer, limit, format=fmt)
+        self.skipped_rows, self.dropped_long = prompt_set.skipped, dropped
+        if dropped or prompt_set.skipped:
+            console.print(
+                f"[yellow]prompts: {prompt_set.skipped} unusable rows skipped, {dropped} longer "
+                f"than {limit} tokens dropped; {len(self.prompt_set)} kept[/yellow]"
+            )
+        self.position = 0
+        self._orders: dict[int, list[int]] = {}
+
+    def draw(self, count: int) -> list[Any]:
+        n = len(self.prompt_set.items)
+        out = []
+        for pos in range(self.position, self.position + count):
+            epoch, index = divmod(pos, n)
+            if epoch not in self._orders:
+                self._orders = {epoch: self.prompt_set.epoch_order(epoch)}
+            out.append(self.prompt_set.items[self._orders[epoch][index]])
+        self.position += count
+        return out
+
+    def encode(self, problem: Any) -> list[int]:
+        text = models.format_prompt(self.tokenizer, self.prompt_set.render(problem))
+        return list(self.tokenizer(text)["input_ids"])
+
+    def reward(self, text: str, problem: Any) -> float:
+        return float(self.prompt_set.reward_fn(text, problem.answer))
+
+    def state_dict(self) -> dict[str, int]:
+        return {"position": self.position}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.position = state["position"]

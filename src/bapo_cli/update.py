@@ -1,0 +1,243 @@
+"""One optimizer update on one mini-batch: micro-batches, BAPO's bound search, loss, backward, step.
+
+The order is the paper's: for BAPO the bounds are solved once per optimizer update over the whole
+mini-batch (all micro-batches of gradient accumulation), then every micro-batch's loss uses them.
+With one micro-batch that costs nothing extra (the forward that feeds the search is the one that is
+back-propagated). With several, a no-grad forward over the micro-batches feeds the search first
+(one extra forward per update); `algo.bound_scope=microbatch` skips it by searching per
+micro-batch, a cheaper approximation named as such.
+
+Aggregation across micro-batches is exact: each micro-batch's loss is divided by the mini-batch's
+token (or sequence) count, not its own, so the accumulated gradient equals the mini-batch loss's.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from bapo_cli.algos import diagnostics, losses
+from bapo_cli.algos.bounds import BapoBounds, BoundAccumulator
+from bapo_cli.policy import MicroBatch, token_logprobs
+
+Tensor = torch.Tensor
+
+
+@dataclass
+class LossSpec:
+    """What the loss needs from the algo config, as plain values."""
+
+    name: str  # losses.REGISTRY key
+    params: dict[str, Any]  # the loss's own parameters (eps, ranges, dual_clip, agg, ...)
+    bound_scope: str = "minibatch"  # bapo only
+    kl_coef: float = 0.0
+    search: dict[str, Any] = field(default_factory=dict)  # bapo: rho0, ranges, steps, weighting
+
+
+def loss_spec(algo: Any) -> LossSpec:
+    """Algo config dataclass → LossSpec (the only place that knows both)."""
+    common = {"dual_clip": algo.dual_clip, "agg": algo.agg}
+    kl = float(getattr(algo, "kl_coef", 0.0))
+    if algo.loss == "ppo":
+        return LossSpec("ppo", {**common, "eps": algo.eps}, kl_coef=kl)
+    if algo.loss == "clip_higher":
+        return LossSpec(
+            "clip_higher", {**common, "eps_low": algo.eps_low, "eps_high": algo.eps_high}, kl_coef=kl
+        )
+    search = {
+        "low_range": tuple(algo.low_range),
+        "high_range": tuple(algo.high_range),
+        "low_step": algo.low_step,
+        "high_step": algo.high_step,
+    }
+    return LossSpec(
+        "bapo",
+        {**common, **search, "rho0": algo.rho0, "weighting": algo.weighting},
+        bound_scope=algo.bound_scope,
+        kl_coef=kl,
+        search={**search, "rho0": algo.rho0, "weighting": algo.weighting},
+    )
+
+
+def solve_bounds(
+    model: torch.nn.Module, micro: Sequence[MicroBatch], spec: LossSpec, temperature: float
+) -> BapoBounds:
+    """BAPO's per-update search over every token of the mini-batch (one extra no-grad forward)."""
+    acc = BoundAccumulator(
+        low_range=spec.search["low_range"],
+        high_range=spec.search["high_range"],
+        low_step=spec.search["low_step"],
+        high_step=spec.search["high_step"],
+    )
+    with torch.no_grad():
+        for mb in micro:
+            logp, _ = token_logprobs(model, mb, temperature)
+            acc.add(**_search_inputs(logp, mb, spec))
+    return acc.solve(spec.search["rho0"])
+
+
+def _search_inputs(logp: Tensor, mb: MicroBatch, spec: LossSpec) -> dict[str, Tensor]:
+    return losses.search_inputs(
+        logp.detach(),
+        mb.old_log_prob,
+        mb.advantages,
+        mb.mask,
+        dual_clip=spec.params["dual_clip"],
+        weighting=spec.search["weighting"],
+    )
+
+
+@dataclass
+class UpdateResult:
+    metrics: dict[str, float]
+    skipped: bool
+    tokens: int
+
+
+def optimizer_update(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    micro: Sequence[MicroBatch],
+    spec: LossSpec,
+    *,
+    temperature: float,
+    grad_clip: float | None,
+    version: int,
+    ref_model: torch.nn.Module | None = None,
+) -> UpdateResult:
+    """Accumulate gradients over the micro-batches, clip, step. Skips a non-finite step."""
+    tokens = sum(mb.num_tokens for mb in micro)
+    seqs = sum(len(mb.samples) for mb in micro)
+    norm = {
+        "global_tokens": float(max(tokens, 1)),
+        "global_seqs": float(max(seqs, 1)),
+        "norm_len": float(max(mb.mask.shape[1] for mb in micro)),
+    }
+    per_step_search = spec.name == "bapo" and spec.bound_scope == "minibatch"
+    bounds: BapoBounds | None = None
+    if per_step_search and len(micro) > 1:
+        bounds = solve_bounds(model, micro, spec, temperature)
+    weights: list[tuple[dict[str, Any], float]] = []
+    finite = True
+    for mb in micro:
+        logp, entropy = token_logprobs(model, mb, temperature, entropy=True)
+        params = dict(spec.params)
+        if per_step_search:
+            if bounds is None:  # the mini-batch is this one micro-batch
+                bounds = _single_pass_bounds(logp, mb, spec)
+            params["bounds"] = bounds
+        loss, m = losses.policy_loss(
+            spec.name, logp, mb.old_log_prob, mb.advantages, mb.mask, **params, **norm
+        )
+        if spec.kl_coef > 0 and ref_model is not None:
+            with torch.no_grad():
+                ref_logp, _ = token_logprobs(ref_model, mb, temperature)
+            kl = _k3(logp, ref_logp, mb.mask)
+            loss = loss + spec.kl_coef * kl / norm["global_tokens"]
+            m["ref_kl"] = kl.detach() / max(mb.num_tokens, 1)
+        if not torch.isfinite(loss):
+            finite = False
+            break
+        loss.backward()
+        c_low, c_high = _bounds_used(spec, bounds, m)
+        m["c_low"], m["c_high"] = c_low, c_high
+        m["entropy"] = torch.where(mb.mask, entropy, 0.0).sum() / max(mb.num_tokens, 1)
+        quad = diagnostics.quadrant_table(
+            logp,
+            mb.old_log_prob,
+            mb.advantages,
+            mb.mask,
+            c_low=c_low,
+            c_high=c_high,
+            dual_clip=spec.params["dual_clip"],
+        )
+        m.update({f"quadrant_{k}": v for k, v in quad.items()})
+        stale = torch.where(mb.mask, (version - mb.versions).float(), 0.0)
+        m["staleness_sum"], m["staleness_max"] = stale.sum(), stale.max()
+        weights.append((m, float(mb.num_tokens)))
+    grad_norm = _grad_norm(model, grad_clip)
+    skipped = not finite or not math.isfinite(grad_norm)
+    if not skipped:
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    metrics = _combine(weights, tokens)
+    metrics["grad_norm"] = grad_norm
+    if bounds is not None:
+        metrics.update(
+            rho_before=bounds.rho_before, rho=bounds.rho, search_steps=float(bounds.steps)
+        )
+    return UpdateResult(metrics, skipped, tokens)
+
+
+def _bounds_used(spec: LossSpec, bounds: BapoBounds | None, m: dict[str, Any]) -> tuple[float, float]:
+    """The (c_low, c_high) this micro-batch's loss clipped with."""
+    if spec.name == "ppo":
+        return 1 - spec.params["eps"], 1 + spec.params["eps"]
+    if spec.name == "clip_higher":
+        return 1 - spec.params["eps_low"], 1 + spec.params["eps_high"]
+    if bounds is not None:
+        return bounds.c_low, bounds.c_high
+    return float(m["c_low"]), float(m["c_high"])  # per-micro-batch search
+
+
+def _single_pass_bounds(logp: Tensor, mb: MicroBatch, spec: LossSpec) -> BapoBounds:
+    """One micro-batch is the whole mini-batch: search on the forward we back-propagate."""
+    acc = BoundAccumulator(
+        low_range=spec.search["low_range"],
+        high_range=spec.search["high_range"],
+        low_step=spec.search["low_step"],
+        high_step=spec.search["high_step"],
+    )
+    acc.add(**_search_inputs(logp, mb, spec))
+    return acc.solve(spec.search["rho0"])
+
+
+def _k3(logp: Tensor, ref_logp: Tensor, mask: Tensor) -> Tensor:
+    """Schulman's k3 estimator of KL(π || π_ref), summed over tokens (non-negative, unbiased)."""
+    d = (ref_logp - logp).clamp(-20, 20)
+    return torch.where(mask, d.exp() - d - 1, 0.0).sum()
+
+
+def _grad_norm(model: torch.nn.Module, grad_clip: float | None) -> float:
+    params = [p for p in model.parameters() if p.grad is not None]
+    if not params:
+        return 0.0
+    if grad_clip is None:
+        norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in params]))
+    else:
+        norm = torch.nn.utils.clip_grad_norm_(params, grad_clip)
+    return float(norm)
+
+
+MAX_KEYS = ("ratio_max", "staleness_max")
+SUM_KEYS = ("nonfinite_tokens", "staleness_sum")
+
+
+def _combine(weights: list[tuple[dict[str, Any], float]], tokens: int) -> dict[str, float]:
+    """Token-weighted means of per-micro-batch metrics (max for maxima, sums for counts), with a
+    single host transfer."""
+    if not weights:
+        return {}
+    keys = [k for k, v in weights[0][0].items() if isinstance(v, (Tensor, float, int))]
+    rows = []
+    for m, _ in weights:
+        rows.append(torch.stack([torch.as_tensor(m[k], dtype=torch.float64).detach().cpu() for k in keys]))
+    table = torch.stack(rows)  # [micro, keys]
+    w = torch.tensor([n for _, n in weights], dtype=torch.float64)
+    out: dict[str, float] = {}
+    values = table.tolist()
+    for j, key in enumerate(keys):
+        column = [row[j] for row in values]
+        if key in MAX_KEYS:
+            out[key] = max(column)
+        elif key in SUM_KEYS or key.startswith("quadrant_") and not key.endswith("_mass"):
+            out[key] = sum(column)
+        else:
+            total = float(w.sum())
+            out[key] = sum(c * float(wi) for c, wi in zip(column, w, strict=True)) / max(total, 1.0)
+    out["staleness_mean"] = out.pop("staleness_sum", 0.0) / max(tokens, 1)
+    return out
