@@ -57,11 +57,17 @@ def load_state(directory: Path) -> dict[str, Any]:
     try:
         return torch.load(path, map_location="cpu", weights_only=False)
     except Exception as exc:  # truncated or foreign file
-        raise CheckpointError(f"checkpoint {directory} is unreadable ({exc.__class__.__name__})")
+        raise CheckpointError(
+            f"checkpoint {directory} is unreadable ({exc.__class__.__name__})"
+        ) from None
 
 
 def rng_state() -> dict[str, Any]:
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    state = {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+    }
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state

@@ -36,15 +36,31 @@ def _run_dir() -> Path:
     return Path(HydraConfig.get().runtime.output_dir)
 
 
+def _user_errors() -> tuple[type[Exception], ...]:
+    """Errors whose message is the whole story (bad path, bad data, bad checkpoint)."""
+    from bapo_cli.checkpoint import CheckpointError
+    from bapo_cli.data.records import DataError
+    from bapo_cli.models import ModelLoadError
+
+    return (ModelLoadError, DataError, CheckpointError)
+
+
 def train_job(cfg: DictConfig) -> float:
     """Train; returns the final mean reward (the objective an Optuna sweep maximizes)."""
-    from bapo_cli.train import train
+    from bapo_cli.train import TrainingError, train
 
     config = _validated(cfg)
     run_dir = _run_dir()
     console = Console()
     plan.show("bapo train", plan.train_rows(config, run_dir), console)
-    result = train(config, run_dir, console)
+    try:
+        result = train(config, run_dir, console)
+    except _user_errors() as err:
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(USAGE_EXIT_CODE)
+    except TrainingError as err:
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(1)
     tail = result.history[-max(len(result.history) // 10, 1) :]
     return sum(h["reward/mean"] for h in tail) / len(tail)
 

@@ -7,7 +7,6 @@ for this regime, the batch shape, the engine `rollout=auto` resolves to, and whe
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 from rich.console import Console
@@ -24,11 +23,12 @@ from bapo_cli.config.schema import (
 
 def resolve_engine(name: str) -> tuple[str, str]:
     """(engine, why): `auto` picks vLLM when it imports, else transformers."""
+    from bapo_cli.rollout.base import resolve_engine_name
+
     if name != "auto":
         return name, "selected"
-    if importlib.util.find_spec("vllm") is not None:
-        return "vllm", "auto: vllm is installed"
-    return "hf", "auto: vllm is not installed"
+    chosen = resolve_engine_name(name)
+    return chosen, f"auto: vllm {'is' if chosen == 'vllm' else 'is not'} available"
 
 
 def describe_clip(algo: object) -> str:

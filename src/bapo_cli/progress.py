@@ -40,7 +40,9 @@ class TrainProgress:
         )
         self.progress.update(self.task, completed=step, info=info)
         if self.progress.disable:  # no live display (CI, pipes): one plain line per step
-            self.console.print(f"step {step}/{self.progress.tasks[0].total}  {info}", highlight=False)
+            self.console.print(
+                f"step {step}/{self.progress.tasks[0].total}  {info}", highlight=False
+            )
 
 
 def _mean(history: list[dict[str, float]], key: str, part: slice) -> float | None:

@@ -119,6 +119,7 @@ class NullTracker:
         pass
 
 
+STEP_KEY = "reward/mean"  # logged every step; its history tells where a resumed run left off
 MAX_PARAM_VALUE = 6000  # MLflow's limit on a param value (characters)
 MAX_BATCH_PARAMS = 100  # MLflow's limit of params per log_batch call
 MAX_BATCH_METRICS = 1000  # MLflow's limit of metrics per log_batch call
@@ -149,9 +150,12 @@ class MlflowTracker:
         self.flush_every = flush_every
         self._pending: list[Any] = []
         self._steps_since_flush = 0
+        self.logged_until = -1  # steps at or below this are already in the store
         if run_id is not None:  # resume: the same run, reopened
             self.client.update_run(run_id, status="RUNNING")
             self.run_id = run_id
+            history = self.client.get_metric_history(run_id, STEP_KEY)
+            self.logged_until = max((m.step for m in history), default=-1)
         else:
             exp_id = ensure_experiment(self.client, experiment)
             run = self.client.create_run(exp_id, run_name=run_name, tags=tags or {})
@@ -170,6 +174,8 @@ class MlflowTracker:
 
         from mlflow.entities import Metric
 
+        if step <= self.logged_until:  # replayed after a resume: the store already has it
+            return
         now = int(time.time() * 1000)
         self._pending += [
             Metric(k, float(v), now, step) for k, v in metrics.items() if math.isfinite(float(v))

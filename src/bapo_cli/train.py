@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import transformers
 from omegaconf import OmegaConf
 from rich.console import Console
 
@@ -35,7 +36,7 @@ from bapo_cli.progress import TrainProgress, summary_table
 from bapo_cli.rollout.base import Sample, SamplingParams, make_engine, resolve_engine_name
 from bapo_cli.rollout.collect import Collector
 from bapo_cli.staleness.regimes import Regime, make_regime
-from bapo_cli.tracking import Tracker, flatten, make_tracker
+from bapo_cli.tracking import flatten, make_tracker
 from bapo_cli.update import LossSpec, loss_spec, optimizer_update
 
 
@@ -55,12 +56,17 @@ class TrainState:
 class TrainResult:
     run_dir: Path
     run_id: str | None
-    history: list[dict[str, float]]
-    checkpoint: Path | None
+    history: list[dict[str, float]]  # one dict of logged metrics per step
+    checkpoint: Path | None  # the last checkpoint written
+    updates: list[dict[str, float]] = field(
+        default_factory=list
+    )  # per optimizer update (this process)
+    last_batch: list[Sample] = field(default_factory=list)  # the samples of the last step
 
 
 def train(cfg: TrainConfig, run_dir: Path, console: Console | None = None) -> TrainResult:
     console = console or Console()
+    transformers.utils.logging.disable_progress_bar()  # ours is the one to watch
     run_dir.mkdir(parents=True, exist_ok=True)
     ckpt_root = run_dir / "checkpoints"
     resume_from = checkpoint.latest(ckpt_root) if cfg.trainer.resume else None
@@ -147,6 +153,7 @@ def train(cfg: TrainConfig, run_dir: Path, console: Console | None = None) -> Tr
         state = TrainState(**saved["state"])
         run_id = saved.get("run_id")
         checkpoint.set_rng_state(saved["rng"])
+        engine.sync_weights(model, state.version)  # tokens sampled from here carry this version
         console.print(f"resumed from {resume_from} at step {state.step}")
     tracker = make_tracker(
         cfg.tracking.backend,
@@ -163,14 +170,27 @@ def train(cfg: TrainConfig, run_dir: Path, console: Console | None = None) -> Tr
 
     # --- the loop -------------------------------------------------------------------------
     last_ckpt = resume_from
+    all_updates: list[dict[str, float]] = []
+    batch: list[Sample] = []
     status = "FAILED"
     try:
         with TrainProgress(cfg.trainer.max_steps, state.step, console) as progress:
             while state.step < cfg.trainer.max_steps:
-                metrics = _train_step(
-                    cfg, state, model, ref_model, optimizer, scheduler, regime, engine, spec,
-                    layout, collector, samples_file,
+                metrics, updates, batch = _train_step(
+                    cfg,
+                    state,
+                    model,
+                    ref_model,
+                    optimizer,
+                    scheduler,
+                    regime,
+                    engine,
+                    spec,
+                    layout,
+                    collector,
+                    samples_file,
                 )
+                all_updates += updates
                 state.step += 1
                 state.history.append(metrics)
                 if state.step % cfg.trainer.log_every == 0 or state.step == cfg.trainer.max_steps:
@@ -202,14 +222,25 @@ def train(cfg: TrainConfig, run_dir: Path, console: Console | None = None) -> Tr
         tracker.close(status)
         engine.close()
     console.print(summary_table(state.history, run_dir, cfg.tracking.uri, tracker.run_id))
-    return TrainResult(run_dir, tracker.run_id, state.history, last_ckpt)
+    return TrainResult(run_dir, tracker.run_id, state.history, last_ckpt, all_updates, batch)
 
 
 def _train_step(
-    cfg, state, model, ref_model, optimizer, scheduler, regime: Regime, engine, spec: LossSpec,
-    layout, collector: Collector, samples_file: Path,
-) -> dict[str, float]:
-    """Rollouts → rewards → advantages → updates → weight sync; returns the step's metrics."""
+    cfg,
+    state,
+    model,
+    ref_model,
+    optimizer,
+    scheduler,
+    regime: Regime,
+    engine,
+    spec: LossSpec,
+    layout,
+    collector: Collector,
+    samples_file: Path,
+) -> tuple[dict[str, float], list[dict[str, float]], list[Sample]]:
+    """Rollouts → rewards → advantages → updates → weight sync; returns the step's metrics, the
+    per-update metrics and the samples trained on."""
     t0 = time.perf_counter()
     tokens_before = collector.generated_tokens
     batch = regime.next_batch()
@@ -238,7 +269,10 @@ def _train_step(
                     recomputed[key] = _recompute(model, mb, cfg.rollout.temperature)
                 mb.old_log_prob = recomputed[key]
         result = optimizer_update(
-            model, optimizer, micro, spec,
+            model,
+            optimizer,
+            micro,
+            spec,
             temperature=cfg.rollout.temperature,
             grad_clip=cfg.trainer.grad_clip,
             version=state.version,
@@ -262,11 +296,20 @@ def _train_step(
     sync_s = engine.sync_weights(model, state.version)
     step_s = time.perf_counter() - t0
     _write_samples(samples_file, state.step + 1, batch, cfg.trainer.log_samples)
-    return _step_metrics(
-        batch, adv_stats, update_metrics, optimizer,
-        rollout_s=rollout_s, train_s=train_s, sync_s=sync_s, step_s=step_s,
-        new_tokens=new_tokens, trained_tokens=trained_tokens, is_bapo=spec.name == "bapo",
+    metrics = _step_metrics(
+        batch,
+        adv_stats,
+        update_metrics,
+        optimizer,
+        rollout_s=rollout_s,
+        train_s=train_s,
+        sync_s=sync_s,
+        step_s=step_s,
+        new_tokens=new_tokens,
+        trained_tokens=trained_tokens,
+        is_bapo=spec.name == "bapo",
     )
+    return metrics, update_metrics, batch
 
 
 @torch.no_grad()
@@ -278,8 +321,20 @@ def _recompute(model, mb: MicroBatch, temperature: float) -> torch.Tensor:
     return logp
 
 
-def _step_metrics(batch, adv_stats, updates, optimizer, *, rollout_s, train_s, sync_s, step_s,
-                  new_tokens, trained_tokens, is_bapo) -> dict[str, float]:
+def _step_metrics(
+    batch,
+    adv_stats,
+    updates,
+    optimizer,
+    *,
+    rollout_s,
+    train_s,
+    sync_s,
+    step_s,
+    new_tokens,
+    trained_tokens,
+    is_bapo,
+) -> dict[str, float]:
     rewards = [s.reward for s in batch]
     lengths = [len(s.response_ids) for s in batch]
     out: dict[str, float] = {
@@ -298,12 +353,19 @@ def _step_metrics(batch, adv_stats, updates, optimizer, *, rollout_s, train_s, s
         "perf/weight_sync_s": sync_s,
     }
     names = {
-        "entropy": "actor/entropy", "grad_norm": "actor/grad_norm", "ppo_kl": "actor/ppo_kl",
-        "clipfrac_low": "actor/clipfrac_low", "clipfrac_high": "actor/clipfrac_high",
-        "ratio_mean": "actor/ratio_mean", "ratio_max": "actor/ratio_max",
-        "pos_mass": "actor/pos_mass", "neg_mass": "actor/neg_mass", "ref_kl": "actor/ref_kl",
+        "entropy": "actor/entropy",
+        "grad_norm": "actor/grad_norm",
+        "ppo_kl": "actor/ppo_kl",
+        "clipfrac_low": "actor/clipfrac_low",
+        "clipfrac_high": "actor/clipfrac_high",
+        "ratio_mean": "actor/ratio_mean",
+        "ratio_max": "actor/ratio_max",
+        "pos_mass": "actor/pos_mass",
+        "neg_mass": "actor/neg_mass",
+        "ref_kl": "actor/ref_kl",
         "nonfinite_tokens": "actor/nonfinite_tokens",
-        "c_low": "actor/c_low", "c_high": "actor/c_high",
+        "c_low": "actor/c_low",
+        "c_high": "actor/c_high",
         "staleness_mean": "staleness/mean",
     }
     if is_bapo:
@@ -359,7 +421,8 @@ def _reference(model: torch.nn.Module, cfg: TrainConfig) -> torch.nn.Module | No
 
 
 def _run_name(cfg: TrainConfig) -> str:
-    return f"{cfg.algo.name}-{cfg.staleness.regime}{cfg.staleness.k}-{cfg.model.name}-s{cfg.trainer.seed}"
+    stale = f"{cfg.staleness.regime}{cfg.staleness.k}"
+    return f"{cfg.algo.name}-{stale}-{cfg.model.name}-s{cfg.trainer.seed}"
 
 
 def _tags(cfg: TrainConfig, engine: str) -> dict[str, str]:
@@ -372,7 +435,10 @@ def _tags(cfg: TrainConfig, engine: str) -> dict[str, str]:
     }
     try:
         commit = subprocess.run(
-            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5,
+            ["git", "rev-parse", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=5,
             cwd=Path(__file__).parent,
         ).stdout.strip()
         if commit:

@@ -46,7 +46,9 @@ def loss_spec(algo: Any) -> LossSpec:
         return LossSpec("ppo", {**common, "eps": algo.eps}, kl_coef=kl)
     if algo.loss == "clip_higher":
         return LossSpec(
-            "clip_higher", {**common, "eps_low": algo.eps_low, "eps_high": algo.eps_high}, kl_coef=kl
+            "clip_higher",
+            {**common, "eps_low": algo.eps_low, "eps_high": algo.eps_high},
+            kl_coef=kl,
         )
     search = {
         "low_range": tuple(algo.low_range),
@@ -173,7 +175,9 @@ def optimizer_update(
     return UpdateResult(metrics, skipped, tokens)
 
 
-def _bounds_used(spec: LossSpec, bounds: BapoBounds | None, m: dict[str, Any]) -> tuple[float, float]:
+def _bounds_used(
+    spec: LossSpec, bounds: BapoBounds | None, m: dict[str, Any]
+) -> tuple[float, float]:
     """The (c_low, c_high) this micro-batch's loss clipped with."""
     if spec.name == "ppo":
         return 1 - spec.params["eps"], 1 + spec.params["eps"]
@@ -225,7 +229,9 @@ def _combine(weights: list[tuple[dict[str, Any], float]], tokens: int) -> dict[s
     keys = [k for k, v in weights[0][0].items() if isinstance(v, (Tensor, float, int))]
     rows = []
     for m, _ in weights:
-        rows.append(torch.stack([torch.as_tensor(m[k], dtype=torch.float64).detach().cpu() for k in keys]))
+        rows.append(
+            torch.stack([torch.as_tensor(m[k], dtype=torch.float64).detach().cpu() for k in keys])
+        )
     table = torch.stack(rows)  # [micro, keys]
     w = torch.tensor([n for _, n in weights], dtype=torch.float64)
     out: dict[str, float] = {}

@@ -80,8 +80,8 @@ def test_unknown_algo_exits_2_with_one_line() -> None:
     assert "Traceback" not in result.stderr
 
 
-def test_train_single_run_creates_run_dir_and_says_what_would_run(_output_root: Path) -> None:
-    result = run_bapo("train", "algo=grpo", "staleness=8", "tracking=none")
+def test_train_single_run_creates_run_dir_and_says_what_runs(_output_root: Path) -> None:
+    result = run_bapo("train", "algo=grpo", "staleness=8", "tracking=none", "trainer.max_steps=1")
     assert result.returncode == 0, result.stderr
     runs = list((_output_root / "runs").glob("*/*"))
     assert len(runs) == 1
@@ -93,11 +93,11 @@ def test_train_single_run_creates_run_dir_and_says_what_would_run(_output_root: 
     assert saved["algo"]["name"] == "grpo" and saved["staleness"]["k"] == 8
     assert "8 optimizer updates per rollout batch" in result.stdout
     assert "[0.8, 1.2]" in result.stdout
-    assert "Nothing was trained" in result.stdout
+    assert "step 1/1" in result.stdout
 
 
 def test_train_multirun_launches_two_jobs(_output_root: Path) -> None:
-    result = run_bapo("train", "-m", "algo.rho0=0.3,0.5", "tracking=none")
+    result = run_bapo("train", "-m", "algo.rho0=0.3,0.5", "experiment=smoke")
     assert result.returncode == 0, result.stderr
     jobs = sorted((_output_root / "sweeps").glob("*/*/[0-9]*"))
     assert [j.name for j in jobs] == ["0", "1"]
@@ -111,7 +111,7 @@ def test_train_multirun_launches_two_jobs(_output_root: Path) -> None:
 
 
 def test_multirun_flag_may_follow_overrides_and_group_sweeps_work(_output_root: Path) -> None:
-    result = run_bapo("train", "tracking=none", "staleness=0,4", "-m", "algo=grpo,bapo")
+    result = run_bapo("train", "experiment=smoke", "staleness=0,4", "-m", "algo=grpo,bapo")
     assert result.returncode == 0, result.stderr
     jobs = sorted((_output_root / "sweeps").glob("*/*/[0-9]*"), key=lambda p: int(p.name))
     seen = set()
@@ -140,3 +140,19 @@ def test_full_error_env_shows_traceback() -> None:
     result = run_bapo("config", "algo.rho0=2", env={"HYDRA_FULL_ERROR": "1"})
     assert result.returncode != 0
     assert "Traceback" in result.stderr
+
+
+def test_train_smoke_experiment_trains_for_real(_output_root: Path) -> None:
+    result = run_bapo("train", "experiment=smoke")
+    assert result.returncode == 0, result.stderr
+    (run,) = (_output_root / "runs").glob("*/*")
+    assert (run / "checkpoints" / "step_000002" / "model.safetensors").is_file()
+    assert (run / "samples.jsonl").is_file()
+    assert "bapo train: summary" in result.stdout
+    assert "step 2/2" in result.stdout
+
+
+def test_train_with_a_missing_model_dir_fails_in_one_line(tmp_path: Path) -> None:
+    result = run_bapo("train", f"model.path={tmp_path}/nope", "tracking=none")
+    assert result.returncode == 2
+    assert result.stderr.strip() == f"error: model.path={tmp_path}/nope: no such directory"

@@ -83,7 +83,7 @@ def test_wheel_install_ships_configs_and_works_from_another_directory(tmp_path: 
         "train",
         "-m",
         "algo.rho0=0.3,0.5",
-        "tracking=none",
+        "experiment=smoke",
         cwd=tmp_path,
         env={"PYTHONPATH": str(target)},
     )

@@ -16,8 +16,8 @@ from typing import Any
 from bapo_cli.rollout.base import (
     FINISH_BUDGET,
     FINISH_LENGTH,
-    RolloutEngine,
     Request,
+    RolloutEngine,
     Sample,
     SamplingParams,
 )
@@ -40,8 +40,10 @@ class Collector:
         samples = []
         for problem in problems:
             prompt = self.encode(problem)
-            samples += [Sample(prompt_ids=list(prompt), group=self.next_group, problem=problem)
-                        for _ in range(self.n)]
+            samples += [
+                Sample(prompt_ids=list(prompt), group=self.next_group, problem=problem)
+                for _ in range(self.n)
+            ]
             self.next_group += 1
         return samples
 

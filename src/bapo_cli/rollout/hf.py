@@ -58,7 +58,9 @@ class HFEngine:
             out += self._generate_batch(requests[start : start + self.batch_size], params)
         return out
 
-    def _generate_batch(self, requests: Sequence[Request], params: SamplingParams) -> list[Generation]:
+    def _generate_batch(
+        self, requests: Sequence[Request], params: SamplingParams
+    ) -> list[Generation]:
         device = next(self.model.parameters()).device
         rows = [list(r.prompt_ids) + list(r.prefix_ids) for r in requests]
         width = max(len(r) for r in rows)
@@ -92,7 +94,9 @@ class HFEngine:
         finally:
             self.model.train(was_training)
         new = generated[:, width:].tolist()
-        return [self._finish(tokens, req, params) for tokens, req in zip(new, requests, strict=True)]
+        return [
+            self._finish(tokens, req, params) for tokens, req in zip(new, requests, strict=True)
+        ]
 
     def _finish(self, tokens: list[int], request: Request, params: SamplingParams) -> Generation:
         """Cut at the first end token (kept), a stop string, or this request's budget."""
@@ -116,4 +120,3 @@ def _eos_ids(model: torch.nn.Module, tokenizer) -> list[int]:
     if not ids:
         raise ValueError("the tokenizer has no end-of-sequence token: generation could not stop")
     return sorted(ids)
-
