@@ -101,17 +101,34 @@ def train(
         "Examples:\n\n"
         "  bapo eval model.path=Qwen/Qwen2.5-Math-1.5B benchmark=aime24 eval.n=16\n\n"
         "  bapo eval benchmark=math500 benchmark.path=data/math500.jsonl eval.limit=20\n\n"
-        "  bapo eval -m benchmark=aime24,aime25"
+        "  bapo eval benchmark=[aime24,aime25] eval.n=16"
     ),
 )
 def evaluate(
     overrides: list[str] | None = typer.Argument(None, help=OVERRIDES_HELP, show_default=False),
     multirun: bool = typer.Option(False, "--multirun", "-m", help="Run a Hydra sweep."),
 ) -> None:
-    """Score a model on a benchmark with the composed config (conf/eval.yaml)."""
+    """Score a model on a benchmark with the composed config (conf/eval.yaml).
+
+    Several benchmarks in one call (`benchmark=[aime24,aime25]`) run as a multirun: one job and
+    one results.json per benchmark.
+    """
     from bapo_cli import jobs
 
-    _launch("eval", overrides, multirun, jobs.eval_job)
+    overrides, several = _benchmark_list(list(overrides or []))
+    _launch("eval", overrides, multirun or several, jobs.eval_job)
+
+
+def _benchmark_list(overrides: list[str]) -> tuple[list[str], bool]:
+    """`benchmark=[a,b]` → `benchmark=a,b` (a sweep), since one job scores one benchmark."""
+    out, several = [], False
+    for raw in overrides:
+        if raw.startswith("benchmark=[") and raw.endswith("]"):
+            out.append("benchmark=" + raw[len("benchmark=[") : -1])
+            several = True
+        else:
+            out.append(raw)
+    return out, several
 
 
 @app.command(

@@ -18,11 +18,6 @@ from bapo_cli import plan
 from bapo_cli.config.errors import USAGE_EXIT_CODE, ConfigError
 from bapo_cli.config.preflight import to_validated
 
-NOT_YET = (
-    "[yellow]Nothing was scored: the evaluation engine is not part of this version yet. The "
-    "composed config is saved in {dir}/.hydra/config.yaml.[/yellow]"
-)
-
 
 def _validated(cfg: DictConfig):
     try:
@@ -65,9 +60,17 @@ def train_job(cfg: DictConfig) -> float:
     return sum(h["reward/mean"] for h in tail) / len(tail)
 
 
-def eval_job(cfg: DictConfig) -> None:
+def eval_job(cfg: DictConfig) -> float:
+    """Score; returns avg@n (the objective a sweep over eval settings would maximize)."""
+    from bapo_cli.evaluate import evaluate
+
     config = _validated(cfg)
     run_dir = _run_dir()
     console = Console()
     plan.show("bapo eval", plan.eval_rows(config, run_dir), console)
-    console.print(NOT_YET.format(dir=run_dir))
+    try:
+        results = evaluate(config, run_dir, console)
+    except _user_errors() as err:
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(USAGE_EXIT_CODE)
+    return float(results[config.benchmark.name][f"avg@{config.eval.n}"])

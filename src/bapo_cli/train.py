@@ -28,7 +28,7 @@ import transformers
 from omegaconf import OmegaConf
 from rich.console import Console
 
-from bapo_cli import checkpoint, models
+from bapo_cli import checkpoint, evaluate, models
 from bapo_cli.algos import advantages as adv_registry
 from bapo_cli.config.schema import TrainConfig
 from bapo_cli.policy import MicroBatch, collate, disable_dropout, record_behaviour
@@ -167,6 +167,20 @@ def train(cfg: TrainConfig, run_dir: Path, console: Console | None = None) -> Tr
         tracker.log_params(flatten(cfg))
         tracker.log_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)), "config.yaml")
     samples_file = run_dir / "samples.jsonl"
+    val_sets = evaluate.validation_sets(cfg) if cfg.trainer.val_every else []
+
+    def validation() -> dict[str, float]:
+        return evaluate.validate(
+            val_sets,
+            engine,
+            tokenizer,
+            n=cfg.trainer.val_n,
+            max_tokens=cfg.rollout.max_tokens,
+            max_model_len=cfg.model.max_model_len,
+        )
+
+    if val_sets and state.step == 0:
+        tracker.log_metrics(validation(), step=0)
 
     # --- the loop -------------------------------------------------------------------------
     last_ckpt = resume_from
@@ -192,11 +206,13 @@ def train(cfg: TrainConfig, run_dir: Path, console: Console | None = None) -> Tr
                 )
                 all_updates += updates
                 state.step += 1
+                at_end = state.step == cfg.trainer.max_steps
+                if val_sets and (at_end or state.step % cfg.trainer.val_every == 0):
+                    metrics.update(validation())
                 state.history.append(metrics)
                 if state.step % cfg.trainer.log_every == 0 or state.step == cfg.trainer.max_steps:
                     tracker.log_metrics(metrics, step=state.step)
                 progress.update(state.step, metrics)
-                at_end = state.step == cfg.trainer.max_steps
                 if at_end or (cfg.trainer.save_every and state.step % cfg.trainer.save_every == 0):
                     tracker.flush()
                     last_ckpt = checkpoint.save(

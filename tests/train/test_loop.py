@@ -119,3 +119,33 @@ def test_resume_from_a_checkpoint_ends_like_an_uninterrupted_run(tmp_path) -> No
     for a, b in zip(whole.history[2:], resumed.history[2:], strict=True):
         same = {k: a[k] for k in a if not k.startswith("perf/")}
         assert same == {k: b[k] for k in b if not k.startswith("perf/")}
+
+
+def test_validation_during_training_logs_val_metrics(tmp_path) -> None:
+    from tests.conftest import SHARED_DATA
+
+    result = run_train(
+        tmp_path,
+        "trainer.max_steps=2",
+        "trainer.val_every=2",
+        "trainer.val_n=2",
+        "trainer.val_limit=3",
+        f"trainer.val_benchmarks=[arith,{SHARED_DATA / 'aime24.jsonl'}]",
+    )
+    last = result.history[-1]
+    assert 0.0 <= last["val/arith/avg_at_2"] <= last["val/arith/pass_at_2"] <= 1.0
+    assert last["val/aime24/num_problems"] == 3.0
+    assert "val/arith/avg_at_2" not in result.history[0]  # only every val_every steps
+
+
+def test_recompute_old_logprob_makes_the_first_update_on_stale_data_ratio_one(tmp_path) -> None:
+    # async data is 1 version stale; decoupled PPO re-scores pi_old when the batch is first used
+    result = run_train(
+        tmp_path,
+        "staleness=1",
+        "staleness.regime=async",
+        "trainer.max_steps=3",
+        "trainer.old_logprob=recompute",
+    )
+    assert [u["staleness_max"] for u in result.updates] == [0.0, 1.0, 1.0]
+    assert all(u["ratio_max"] == 1.0 and u["ratio_mean"] == 1.0 for u in result.updates)

@@ -130,7 +130,8 @@ class AlgoConfig:
     )
     agg: str = opt("token-mean", "token aggregation of the per-token loss")
     kl_coef: float = opt(
-        0.0, "weight of a k3 KL penalty to the initial policy (0 = no reference model, as the paper)"
+        0.0,
+        "weight of a k3 KL penalty to the initial policy (0 = no reference model, as the paper)",
     )
 
     def check(self) -> None:
@@ -376,7 +377,13 @@ class TrainerConfig:
     save_every: int = opt(0, "checkpoint every N steps; 0 = only at the end")
     resume: bool = opt(False, "continue from the last checkpoint in the run dir")
     val_every: int = opt(0, "validate every N steps; 0 = never")
-    val_benchmarks: list[str] = opt([], "benchmark names to validate on (val_every > 0)")
+    val_benchmarks: list[str] = opt(
+        [],
+        "validation sets (val_every > 0): arith (held-out synthetic), a benchmark preset "
+        "(aime24, aime25, math500) or a local .jsonl/.json/.parquet",
+    )
+    val_n: int = opt(4, "samples per validation problem (logged as val/<set>/avg_at_<n>)")
+    val_limit: int | None = opt(None, "first N problems of each validation set; null = all")
     log_every: int = opt(1, "log metrics every N steps")
     warmup_steps: int = opt(0, "optimizer updates of linear learning-rate warm-up")
     lr_schedule: str = opt("constant", "after warm-up: constant or cosine (to 10% at the end)")
@@ -385,7 +392,9 @@ class TrainerConfig:
         "ratio denominator: behaviour (log-prob recorded when the token was sampled) or "
         "recompute (decoupled PPO: pi_old re-scored by the trainer when the batch is first used)",
     )
-    log_samples: int = opt(4, "samples per step written to samples.jsonl (prompt, response, reward)")
+    log_samples: int = opt(
+        4, "samples per step written to samples.jsonl (prompt, response, reward)"
+    )
     max_skipped_steps: int = opt(
         5, "consecutive non-finite updates (skipped) before training stops with an error"
     )
@@ -406,6 +415,9 @@ class TrainerConfig:
         _positive("save_every", self.save_every, allow_zero=True)
         _positive("val_every", self.val_every, allow_zero=True)
         _positive("log_every", self.log_every)
+        _positive("val_n", self.val_n)
+        if self.val_limit is not None:
+            _positive("val_limit", self.val_limit)
         if self.val_every and not self.val_benchmarks:
             raise ConfigError("val_benchmarks", [], "val_every > 0 needs at least one benchmark")
 
@@ -418,8 +430,14 @@ class EvalConfig:
     limit: int | None = opt(None, "score only the first N problems (smoke runs); null = all")
     temperature: float = opt(0.6, "sampling temperature")
     top_p: float = opt(0.95, "nucleus sampling mass")
-    max_tokens: int = opt(32768, "response token budget (sized for reasoning models)")
+    max_tokens: int = opt(
+        32768, "response token budget (sized for reasoning models; capped by model.max_model_len)"
+    )
     seed: int = opt(0, "sampling seed")
+    template: str = opt(
+        "{problem}\nPlease reason step by step, and put your final answer within \\boxed{{}}.",
+        "prompt template; {problem} is replaced by the question",
+    )
 
     def check(self) -> None:
         if self.n < 1:
@@ -430,6 +448,8 @@ class EvalConfig:
         if not 0.0 < self.top_p <= 1.0:
             raise ConfigError("top_p", self.top_p, "must be within (0, 1]")
         _positive("max_tokens", self.max_tokens)
+        if "{problem}" not in self.template:
+            raise ConfigError("template", self.template, "must contain {problem}")
 
 
 # ----------------------------------------------------------------------------------- top level

@@ -1,0 +1,289 @@
+"""`bapo eval`: sample n responses per problem, grade them, report avg@n, pass@k and maj@n.
+
+    benchmark rows → prompts (template, chat template) → engine (n samples each)
+        → grade (math-verify, time-limited) → summarize → results.json, samples.jsonl, MLflow
+
+The metrics are pure functions in `eval_metrics`, the grading is `rewards.grade_many`; this module
+only moves data between them. `evaluate_benchmark` is also what the trainer calls for validation
+(`trainer.val_every`), on its own engine and weights.
+
+Paper protocol (bapo-spec): AIME 2024 / 2025 averaged over 16 samples (avg@16), temperature 0.6,
+top_p 0.95. Prompts longer than the model's context (model.max_model_len minus the response
+budget) keep their last tokens and are counted in `prompts_truncated`.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from bapo_cli import eval_metrics, models
+from bapo_cli.data.records import DataError, load_records
+from bapo_cli.data.tasks import Problem
+from bapo_cli.rewards import extract_answer, grade_many
+from bapo_cli.rollout.base import Request, SamplingParams
+
+EVAL_TEMPLATE = (
+    "{problem}\nPlease reason step by step, and put your final answer within \\boxed{{}}."
+)
+
+# bapo-spec "Headline results" (paper Table 1, AIME avg@16, percent)
+PAPER_REFERENCE = {
+    "aime24": {
+        "BP-Math-7B SFT / GRPO / BAPO": "66.9 / 69.2 / 70.8",
+        "BP-Math-32B SFT / GRPO / BAPO": "84.4 / 84.6 / 87.1",
+        "SkyWork-OR1-7B": "70.2",
+        "R1-Distill-Qwen-7B": "54.2",
+    },
+    "aime25": {
+        "BP-Math-7B SFT / GRPO / BAPO": "59.0 / 59.2 / 62.5",
+        "BP-Math-32B SFT / GRPO / BAPO": "78.1 / 78.8 / 80.0",
+        "SkyWork-OR1-7B": "54.6",
+        "R1-Distill-Qwen-7B": "38.4",
+    },
+}
+
+
+@dataclass
+class BenchmarkResult:
+    name: str
+    metrics: dict[str, float | int]
+    samples: list[dict[str, Any]]
+    prompts_truncated: int
+
+
+def load_problems(bench: Any, limit: int | None = None) -> tuple[list[Problem], int]:
+    """(problems, rows skipped) of a BenchmarkConfig, the first `limit` if given."""
+    records = load_records(
+        path=bench.path,
+        hf_id=bench.hf_id,
+        split=bench.split,
+        config_name=bench.hf_config,
+        fields={"id": bench.id_field, "problem": bench.problem_field, "answer": bench.answer_field},
+    )
+    rows = records.rows[:limit] if limit is not None else records.rows
+    return [Problem(str(r["id"]), r["problem"], r["answer"]) for r in rows], records.skipped
+
+
+def evaluate_benchmark(
+    name: str,
+    problems: list[Problem],
+    engine: Any,
+    tokenizer: Any,
+    *,
+    template: str,
+    n: int,
+    params: SamplingParams,
+    max_model_len: int,
+    grader: Callable[[list[str], list[str]], list[bool]] = grade_many,
+    answer_of: Callable[[str], str | None] = extract_answer,
+) -> BenchmarkResult:
+    """n samples per problem from `engine`, graded; the results.json entry and the sample rows.
+
+    `grader`/`answer_of` default to math grading (last boxed answer, math-verify); the synthetic
+    task passes its exact-match reward instead."""
+    if n < 1:
+        raise ValueError(f"eval.n={n}: must be >= 1")
+    budget = min(params.max_tokens, max(max_model_len // 2, 1))
+    prompt_limit = max(max_model_len - budget, 1)
+    truncated = 0
+    requests = []
+    for problem in problems:
+        text = models.format_prompt(tokenizer, template.format(problem=problem.question))
+        ids = list(tokenizer(text)["input_ids"])
+        if len(ids) > prompt_limit:
+            ids, truncated = ids[-prompt_limit:], truncated + 1
+        requests += [Request(tuple(ids), (), min(budget, max_model_len - len(ids)))] * n
+    sampling = SamplingParams(
+        temperature=params.temperature,
+        top_p=params.top_p,
+        top_k=params.top_k,
+        max_tokens=budget,
+        stop=params.stop,
+        seed=params.seed,
+    )
+    generations = engine.generate(requests, sampling)
+    texts = [tokenizer.decode(g.token_ids, skip_special_tokens=True) for g in generations]
+    references = [p.answer for p in problems for _ in range(n)]
+    verdicts = grader(texts, references)
+    answers = [answer_of(t) for t in texts]
+    correct = [verdicts[i * n : (i + 1) * n] for i in range(len(problems))]
+    extracted = [answers[i * n : (i + 1) * n] for i in range(len(problems))]
+    metrics = eval_metrics.summarize(correct, extracted, n)
+    samples = [
+        {
+            "problem_id": problems[i // n].id,
+            "sample": i % n,
+            "response": texts[i],
+            "extracted": answers[i],
+            "reference": references[i],
+            "correct": bool(verdicts[i]),
+        }
+        for i in range(len(texts))
+    ]
+    return BenchmarkResult(name, metrics, samples, truncated)
+
+
+def evaluate(cfg: Any, run_dir: Path, console: Console | None = None) -> dict[str, Any]:
+    """`bapo eval` for one benchmark config: results.json + samples.jsonl + MLflow + table."""
+    import transformers
+
+    from bapo_cli.rollout.base import make_engine, resolve_engine_name
+    from bapo_cli.tracking import flatten, make_tracker
+
+    console = console or Console()
+    transformers.utils.logging.disable_progress_bar()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    problems, skipped = load_problems(cfg.benchmark, cfg.eval.limit)
+    if not problems:
+        raise DataError(f"benchmark {cfg.benchmark.name}: no problems to score")
+    model, tokenizer = models.load_policy(cfg.model)
+    model.eval()
+    engine_name = resolve_engine_name(cfg.rollout.name)
+    engine = make_engine(engine_name, model=model, tokenizer=tokenizer, cfg=cfg)
+    console.print(
+        f"scoring {cfg.model.path} on {cfg.benchmark.name}: {len(problems)} problems × "
+        f"{cfg.eval.n} samples with {engine_name}"
+    )
+    params = SamplingParams(
+        temperature=cfg.eval.temperature,
+        top_p=cfg.eval.top_p,
+        max_tokens=cfg.eval.max_tokens,
+        seed=cfg.eval.seed,
+    )
+    from bapo_cli.checkpoint import seed_everything
+
+    seed_everything(cfg.eval.seed)
+    result = evaluate_benchmark(
+        cfg.benchmark.name,
+        problems,
+        engine,
+        tokenizer,
+        template=cfg.eval.template,
+        n=cfg.eval.n,
+        params=params,
+        max_model_len=cfg.model.max_model_len,
+    )
+    engine.close()
+    results = {cfg.benchmark.name: result.metrics}
+    (run_dir / "results.json").write_text(json.dumps(results, indent=2) + "\n")
+    with (run_dir / "samples.jsonl").open("w", encoding="utf-8") as f:
+        for row in result.samples:
+            f.write(json.dumps(row) + "\n")
+    tracker = make_tracker(
+        cfg.tracking.backend,
+        cfg.tracking.uri,
+        cfg.tracking.experiment,
+        run_name=cfg.tracking.run_name or f"eval-{cfg.benchmark.name}-{cfg.model.name}",
+        tags={"kind": "eval", "benchmark": cfg.benchmark.name, "model": cfg.model.path},
+    )
+    tracker.log_params(flatten(cfg))
+    tracker.log_metrics(metric_keys("eval", cfg.benchmark.name, result.metrics), step=0)
+    tracker.log_artifact(run_dir / "results.json")
+    tracker.log_artifact(run_dir / "samples.jsonl")
+    tracker.close()
+    console.print(results_table(cfg.benchmark.name, result, skipped))
+    console.print(f"results: {run_dir / 'results.json'}")
+    return results
+
+
+def metric_keys(prefix: str, name: str, metrics: dict[str, float | int]) -> dict[str, float]:
+    """`{"avg@16": x}` → `{"eval/aime24/avg_at_16": x}`: MLflow refuses '@' in metric names, so
+    the keys spell it `_at_` (results.json keeps the '@' form)."""
+    return {f"{prefix}/{name}/{k.replace('@', '_at_')}": float(v) for k, v in metrics.items()}
+
+
+def results_table(name: str, result: BenchmarkResult, skipped: int = 0) -> Table:
+    table = Table(title=f"bapo eval: {name}", title_justify="left")
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    for key, value in result.metrics.items():
+        shown = f"{100 * value:.1f}" if isinstance(value, float) else str(value)
+        table.add_row(key + (" (%)" if isinstance(value, float) else ""), shown)
+    notes = []
+    if result.prompts_truncated:
+        notes.append(f"{result.prompts_truncated} prompts truncated to the context")
+    if skipped:
+        notes.append(f"{skipped} unusable rows skipped")
+    for model, value in PAPER_REFERENCE.get(name, {}).items():
+        notes.append(f"paper avg@16, {model}: {value}")
+    table.caption = "\n".join(notes)
+    table.caption_justify = "left"
+    return table
+
+
+# --------------------------------------------------------------------- validation in training
+
+VAL_SAMPLING = SamplingParams(temperature=0.6, top_p=0.95)  # the paper's evaluation sampling
+ARITH_VAL_PROBLEMS = 200
+
+
+def _arith_grader(texts: list[str], references: list[str]) -> list[bool]:
+    from bapo_cli.data.tasks import arith_reward
+
+    return [arith_reward(t, r) > 0 for t, r in zip(texts, references, strict=True)]
+
+
+def validation_sets(cfg: Any) -> list[tuple[str, list[Problem], dict[str, Any]]]:
+    """(name, problems, evaluate_benchmark kwargs) per `trainer.val_benchmarks` entry.
+
+    An entry is `arith` (the synthetic task's held-out split, exact match), a benchmark preset
+    name (aime24, aime25, math500: loaded by HF id) or a local .jsonl/.json/.parquet file with
+    fields id, problem, answer (named by its file stem)."""
+    from bapo_cli.config.schema import BenchmarkConfig
+    from bapo_cli.data.tasks import ArithTask, clean_response
+
+    out = []
+    limit = cfg.trainer.val_limit
+    for entry in cfg.trainer.val_benchmarks:
+        if entry == "arith":
+            problems = ArithTask(cfg.data.seed).held_out(limit or ARITH_VAL_PROBLEMS)
+            kwargs = {
+                "template": cfg.data.template,
+                "grader": _arith_grader,
+                "answer_of": clean_response,
+            }
+            out.append(("arith", problems, kwargs))
+            continue
+        if Path(entry).suffix in (".jsonl", ".json", ".parquet"):
+            bench = BenchmarkConfig(name=Path(entry).stem, path=entry)
+        else:
+            from bapo_cli.config.preflight import preflight
+
+            bench = preflight("eval", [f"benchmark={entry}"]).config.benchmark
+        problems, _ = load_problems(bench, limit)
+        out.append((bench.name, problems, {"template": EVAL_TEMPLATE}))
+    return out
+
+
+def validate(
+    sets: list[tuple[str, list[Problem], dict[str, Any]]],
+    engine: Any,
+    tokenizer: Any,
+    *,
+    n: int,
+    max_tokens: int,
+    max_model_len: int,
+) -> dict[str, float]:
+    """`val/<name>/avg_at_<n>` (and the other metrics) for every validation set."""
+    metrics: dict[str, float] = {}
+    params = SamplingParams(VAL_SAMPLING.temperature, VAL_SAMPLING.top_p, max_tokens=max_tokens)
+    for name, problems, kwargs in sets:
+        result = evaluate_benchmark(
+            name,
+            problems,
+            engine,
+            tokenizer,
+            n=n,
+            params=params,
+            max_model_len=max_model_len,
+            **kwargs,
+        )
+        metrics.update(metric_keys("val", name, result.metrics))
+    return metrics
