@@ -15,7 +15,7 @@ On stale (off-policy) data the negative-advantage tokens dominate the gradient a
 drops many low-probability positive tokens, so entropy collapses. BAPO re-chooses the bounds at
 every policy update so that the positive tokens' share of the gradient-carrying loss mass,
 
-    rho(c_low, c_high) = P / (P + N),   P = sum_{A>0, r<c_high} w r |A|,  N = sum_{A<0, r>c_low} w r |A|
+    rho = P / (P + N),  P = sum_{A>0, r<c_high} w r |A|,  N = sum_{A<0, r>c_low} w r |A|
 
 reaches a target rho0. Algorithm 1 walks a fixed path of bound pairs and stops at the first pair
 with rho >= rho0:
@@ -34,19 +34,21 @@ The path does not depend on the data: point 0 is (a_low, a_high), then n_high st
 then n_low steps of c_low. Each token changes activity at most once along it, so for every token
 we compute *where* (a positive token's entry index: the first point with r < c_high; a negative
 token's exit index: the first point with r <= c_low), add its mass into that bin (`bincount`) and
-get P and N at every point from cumulative sums. That is one pass over the tokens for the whole
-path, two K-length vectors, and one host read in `solve` -- instead of one pass and one `.item()`
-per path step. Micro-batches (gradient accumulation) add their vectors; data-parallel ranks
-all-reduce them, so every rank gets the same bounds, equal to one process on the whole batch.
+get P and N at every point from cumulative sums. One table look-up places a token (`_Locator`:
+the positive and negative thresholds live in one sorted table, keyed by copysign(r, A)), so the
+whole path costs one pass over the tokens, one vector of K + 3 sums (P's and N's bins), and one
+host read in `solve` -- instead of one pass and one `.item()` per path step. Micro-batches
+(gradient accumulation) add their vectors; data-parallel ranks all-reduce them, so every rank gets
+the same bounds, equal to one process on the whole batch.
 
 Choices (the README section "How BAPO is implemented" states them for users)
 -----------------------------------------------------------------------------
 * rho counts gradient-carrying tokens only, with strict inequalities (r < c_high, r > c_low),
   compared in the ratio's dtype against the path values cast to that dtype. The losses in
   `losses.py` use the very same comparisons, so the searched active set is the trained one.
-* Path values are ``a + k * step`` in float64 (never accumulated sums), rounded to 12 significant
-  digits and clamped to b; the number of steps is ``floor((b - a) / step + 1e-9)`` so that
-  1.2 + 36 * 0.05 counts as <= 3.0.
+* Path values are ``a + k * step`` in float64 (never accumulated sums), rounded to the decimals
+  that a and step are written with (0.9, not 0.8999999999999999) and clamped to b; the number of
+  steps is ``floor((b - a) / step + 1e-9)`` so that 1.2 + 36 * 0.05 counts as <= 3.0.
 * The loop guard is literal: when the low range admits no step (a_low == b_low) there is no path
   beyond point 0, not even c_high steps. To adapt only c_high keep the low range one step wide.
 * rho := 1 when no token carries mass (0/0: nothing to balance).
@@ -54,7 +56,8 @@ Choices (the README section "How BAPO is implemented" states them for users)
   common case), rho is constant and walking the path would not change the loss: steps = 0.
 * Mass is w * r * |A| with r detached; w = 1 unless `weights` is given (the paper's Eq. 8 uses
   w = pi_rollout(y_t); `losses.bapo_loss(weighting="rollout_prob")`). Weights must be >= 0.
-* Tokens whose ratio, advantage or weight is not finite are left out of the sums.
+* Tokens whose ratio, advantage or weight is not finite are left out of the sums, and so are
+  negative tokens at or above the loss's dual clip (`dual_clip`): they carry no gradient.
 
 How it differs from the public reference recipe: the recipe measures each clipped token at its
 clipped value (so raising c_low *adds* negative mass), searches c_low first, uses a pos/neg ratio
@@ -67,9 +70,11 @@ Run it: ``bapo train algo=bapo``; use it from another trainer: see docs/how-bapo
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from decimal import Decimal
 from typing import Any
 
 import torch
@@ -113,16 +118,28 @@ def _check_range(name: str, value: Any) -> tuple[float, float]:
     return lo, hi
 
 
+def _number(name: str, value: Any) -> float:
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{name} must be a number, got {value!r}") from None
+
+
 def _check_step(name: str, value: Any) -> float:
-    step = float(value)
+    step = _number(name, value)
     if not (0.0 < step < math.inf):
         raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
     return step
 
 
+def number(name: str, value: Any) -> float:
+    """float(value), or a ValueError naming the parameter."""
+    return _number(name, value)
+
+
 def check_rho0(rho0: Any) -> float:
     """Validate the target share; raise a ValueError naming `rho0`."""
-    value = float(rho0)
+    value = _number("rho0", rho0)
     if not (0.0 <= value <= 1.0):
         raise ValueError(f"rho0 must lie in [0, 1], got {rho0!r}")
     return value
@@ -135,10 +152,19 @@ def _n_steps(name: str, lo: float, hi: float, step: float) -> int:
     return n
 
 
-def _path_value(start: float, k: int, step: float, stop: float) -> float:
-    """start + k * step in float64 (never an accumulated sum), rounded to 12 significant digits
-    (0.6 + 15 * 0.02 is 0.9, not 0.8999999999999999) and clamped to the range's max."""
-    return min(float(f"{start + k * step:.12g}"), stop)
+def _decimals(x: float) -> int:
+    """Digits after the decimal point in the shortest repr of x (0.02 -> 2, 1e-05 -> 5)."""
+    exponent = Decimal(repr(float(x))).as_tuple().exponent
+    return max(0, -exponent) if isinstance(exponent, int) else 0
+
+
+def path_value(start: float, k: int, step: float, stop: float) -> float:
+    """Path value after k steps: start + k * step in float64 (never an accumulated sum), rounded
+    to the decimals that start and step are written with (0.6 + 15 * 0.02 is 0.9, not
+    0.8999999999999999) and clamped to the range's max. k = 0 gives start exactly."""
+    if k == 0:
+        return start
+    return min(round(start + k * step, max(_decimals(start), _decimals(step))), stop)
 
 
 @dataclass(frozen=True)
@@ -167,8 +193,8 @@ class BoundPath:
         n_low = _n_steps("low_step", a_low, b_low, low_step)
         # Literal loop guard: no c_low step possible -> the loop never runs, c_high stays too.
         n_high = _n_steps("high_step", a_high, b_high, high_step) if n_low > 0 else 0
-        high = tuple(_path_value(a_high, i, high_step, b_high) for i in range(n_high + 1))
-        low = tuple(_path_value(a_low, j, low_step, b_low) for j in range(n_low + 1))
+        high = tuple(path_value(a_high, i, high_step, b_high) for i in range(n_high + 1))
+        low = tuple(path_value(a_low, j, low_step, b_low) for j in range(n_low + 1))
         return cls(high_values=high, low_values=low)
 
     @property
@@ -200,43 +226,48 @@ def rho_from_sums(pos: float, neg: float) -> float:
     return pos / total if total > 0 else 1.0
 
 
-def _solve(path: BoundPath, sums: list[float], rho0: float) -> BapoBounds:
-    """Walk Algorithm 1 on the per-bin sums (host side, K + 3 numbers; touches no token).
+def _rho_curve(path: BoundPath, sums: list[float]) -> tuple[list[float], list[float], bool]:
+    """From the per-bin sums (K + 3 numbers, host side; touches no token) return P after each
+    number of c_high steps, N after each number of c_low steps, and whether any mass-carrying
+    token changes activity strictly inside the path.
 
-    Layout of `sums` (see `BoundAccumulator.add`): index n_low + 1 - x holds the negatives with
-    exit index x in [0, n_low + 1]; index n_low + 2 + e holds the positives with entry index e in
-    [0, n_high + 1]. x = #{j: low_j < r} (active while the c_low index j < x); e = #{i: high_i <=
-    r} (active from the c_high index e on; e = n_high + 1: never).
+    Layout of `sums` (see `BoundAccumulator.add_keyed`): index n_low + 1 - x holds the negatives
+    with exit index x in [0, n_low + 1]; index n_low + 2 + e holds the positives with entry index
+    e in [0, n_high + 1]. x = #{j: low_j < r} (active while the c_low index j < x); e = #{i:
+    high_i <= r} (active from the c_high index e on; e = n_high + 1: never).
     """
     n_h, n_l = path.n_high, path.n_low
     neg_bins = sums[n_l + 1 :: -1][: n_l + 2]  # neg_bins[x]
     pos_bins = sums[n_l + 2 :]  # pos_bins[e]
-    # P after i c_high steps: positives that entered at or before i.
-    pos_at, acc = [], 0.0
+    pos_at, acc = [], 0.0  # P after i c_high steps: positives that entered at or before i
     for v in pos_bins[: n_h + 1]:
         acc += v
         pos_at.append(acc)
-    # N after j c_low steps: negatives whose exit index is > j.
-    neg_at, acc = [0.0] * (n_l + 1), 0.0
+    neg_at, acc = [0.0] * (n_l + 1), 0.0  # N after j c_low steps: exit index > j
     for j in range(n_l, -1, -1):
         acc += neg_bins[j + 1]
         neg_at[j] = acc
+    changes = any(v != 0 for v in pos_bins[1 : n_h + 1]) or any(
+        v != 0 for v in neg_bins[1 : n_l + 1]
+    )
+    return pos_at, neg_at, changes
+
+
+def _solve(path: BoundPath, sums: list[float], rho0: float) -> BapoBounds:
+    """Walk Algorithm 1 on the per-bin sums."""
+    pos_at, neg_at, changes = _rho_curve(path, sums)
+    n_h = path.n_high
 
     def rho_at(k: int) -> float:
         return rho_from_sums(pos_at[min(k, n_h)], neg_at[max(0, k - n_h)])
 
-    rho_before = rho_at(0)
-    # Does any mass-carrying token change activity strictly inside the path?
-    changes = any(v != 0 for v in pos_bins[1 : n_h + 1]) or any(
-        v != 0 for v in neg_bins[1 : n_l + 1]
-    )
     k = 0
     if changes:  # otherwise rho (and the loss) is the same at every point: stay at the start
         last = len(path) - 1
         while k < last and rho_at(k) < rho0:
             k += 1
     c_low, c_high = path.point(k)
-    return BapoBounds(c_low=c_low, c_high=c_high, rho_before=rho_before, rho=rho_at(k), steps=k)
+    return BapoBounds(c_low=c_low, c_high=c_high, rho_before=rho_at(0), rho=rho_at(k), steps=k)
 
 
 def _check_same_shape(reference: str, tensors: dict[str, torch.Tensor | None]) -> None:
@@ -244,6 +275,118 @@ def _check_same_shape(reference: str, tensors: dict[str, torch.Tensor | None]) -
     for name, t in tensors.items():
         if t is not None and t.shape != shape:
             raise ValueError(f"{name} has shape {tuple(t.shape)}, expected {tuple(shape)}")
+
+
+class _Locator:
+    """count(key) = #{u in table: u <= key}, exactly; what `torch.bucketize(key, table,
+    right=True)` returns, but with a few elementwise ops and two table look-ups instead of a
+    binary search (the search is the hot loop of the bound search).
+
+    Keys are mapped to cells by a monotone function f: thresholds in a lower cell than the key are
+    < key, in a higher cell > key, and the (at most one) threshold that shares the key's cell is
+    compared exactly, so count = base[cell] + (thr[cell] <= key). f is applied to the thresholds
+    with the same torch ops in the same dtype, so both sides agree on every cell. Two choices of
+    f, tried in order, and the binary search when neither gives each threshold its own cell:
+
+    * "bits": the top bits of the key as a float32, ``(key.view(int32) >> shift) & mask`` (2
+      ops; float64 keys are rounded to float32 first, which is monotone too); cells are ordered
+      by value through `_bit_ranks` (the sign bit reverses the negatives).
+    * "scaled": ``trunc(clamp(key * scale, -h, h) + h)`` with >= 4 cells per threshold gap.
+
+    Keys may be any float but NaN (NaN keys give arbitrary counts: callers give them no mass).
+    The one inexact spot is key = -0.0, counted below a +0.0 threshold; its mass r |A| is 0.
+    """
+
+    MAX_CELLS = 1 << 18
+    SHIFTS = (16, 15, 14)  # 128, 256, 512 cells per octave; tables of 64K, 128K, 256K cells
+
+    def __init__(self, table: torch.Tensor, modes: Sequence[str] = ("bits", "scaled")) -> None:
+        self.table = table  # sorted, compute dtype, CPU
+        self.mode = "bucketize"
+        if table.numel() == 0 or not bool((table[1:] > table[:-1]).all()):
+            return
+        if "bits" in modes:
+            for shift in self.SHIFTS:
+                self.mode, self.shift = "bits", shift
+                ranks = _bit_ranks(1 << (32 - shift))
+                if self._build(self._cells(table).long(), ranks):
+                    return
+        values = table.double()
+        if "scaled" in modes and table.numel() > 1:
+            scale = torch.tensor(4.0 / (values[1:] - values[:-1]).min().item(), dtype=table.dtype)
+            half = math.ceil(values.abs().max().item() * scale.item()) + 2
+            if 2 * half + 1 <= self.MAX_CELLS:
+                self.mode, self.scale, self.half = "scaled", scale.item(), half
+                if self._build(self._cells(table).long(), torch.arange(2 * half + 1)):
+                    return
+        self.mode = "bucketize"
+
+    def _build(self, cells: torch.Tensor, ranks: torch.Tensor) -> bool:
+        """Tables over all cells from the thresholds' cells; False if two share a cell."""
+        table_ranks = ranks[cells]
+        if not bool((table_ranks[1:] > table_ranks[:-1]).all()):
+            return False
+        # thresholds in lower cells; int32 so that base + (bool) stays a cheap int32 add
+        self.base = torch.searchsorted(table_ranks, ranks, right=False).to(torch.int32)
+        # empty cells hold NaN: (NaN <= key) is False for every key, +inf included
+        self.thr = torch.full((ranks.numel(),), math.nan, dtype=self.table.dtype)
+        self.thr[cells] = self.table
+        return True
+
+    def _cells(self, key: torch.Tensor) -> torch.Tensor:
+        if self.mode == "bits":
+            bits = key.float().view(torch.int32)
+            return (bits >> self.shift) & ((1 << (32 - self.shift)) - 1)
+        h = float(self.half)
+        return (key * self.scale).clamp_(-h, h).add_(h).to(torch.int32)
+
+    def to(self, device: torch.device) -> _Locator:
+        out = _Locator.__new__(_Locator)
+        out.__dict__.update(self.__dict__)
+        out.table = self.table.to(device)
+        if self.mode != "bucketize":
+            out.base, out.thr = self.base.to(device), self.thr.to(device)
+        return out
+
+    def count(self, key: torch.Tensor) -> torch.Tensor:
+        if self.mode == "bucketize":
+            return torch.bucketize(key, self.table, right=True)
+        cells = self._cells(key)
+        return self.base.index_select(0, cells) + (self.thr.index_select(0, cells) <= key)
+
+
+def _bit_ranks(n_cells: int) -> torch.Tensor:
+    """Order of the bit cells by value: cell c < n/2 holds positive floats (rank c, growing with
+    the value); cell n/2 + m holds negative floats of magnitude cell m (rank -1 - m)."""
+    c = torch.arange(n_cells)
+    half = n_cells // 2
+    return torch.where(c < half, c, half - 1 - c)
+
+
+@functools.lru_cache(maxsize=64)
+def _locator(
+    low_values: tuple[float, ...],
+    high_values: tuple[float, ...],
+    dual_clip: float | None,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> _Locator:
+    """The thresholds U = [(-prev(dual),) -low_n, ..., -low_0, 0, high_0, ..., high_n]: the
+    float64 path values rounded once to the ratio's dtype (as the loss rounds them), held in the
+    compute dtype. prev(dual) is the largest compute-dtype number below the dual clip: r >= dual
+    iff r > prev(dual), so dual-clipped negatives land in bin 0.
+
+    A memo of a pure function (the tables are never modified), so that a loss called every
+    micro-batch does not rebuild its look-up tables.
+    """
+    cd = compute_dtype(dtype)
+    low = torch.tensor(low_values, dtype=torch.float64).to(dtype).to(cd)
+    high = torch.tensor(high_values, dtype=torch.float64).to(dtype).to(cd)
+    parts = [-low.flip(0), torch.zeros(1, dtype=cd), high]
+    if dual_clip is not None:
+        dual = torch.tensor([dual_clip], dtype=torch.float64).to(dtype).to(cd)
+        parts.insert(0, -torch.nextafter(dual, torch.tensor(-math.inf, dtype=cd)))
+    return _Locator(torch.cat(parts)).to(device)
 
 
 class BoundAccumulator:
@@ -254,8 +397,8 @@ class BoundAccumulator:
     ...     acc.add(ratio, adv, mask)                  # no host sync
     >>> bounds = acc.solve(rho0=0.4, group=dist.group.WORLD)  # doctest: +SKIP
 
-    `add` bins each token's mass by the path point where it changes activity (one bucketize and
-    one bincount, no host sync) into a float64 vector of length K + 3. `solve`
+    `add` bins each token's mass by the path point where it changes activity (one table look-up
+    and one bincount, no host sync) into a float64 vector of length K + 3. `solve`
     optionally all-reduces that vector over `group` and reads it to the host once. Every rank
     must call `solve` with the same group (and `add` at least once, even with an empty mask, so
     the vector lives on the rank's device).
@@ -268,21 +411,22 @@ class BoundAccumulator:
         high_range: Sequence[float] = (1.2, 3.0),
         low_step: float = 0.02,
         high_step: float = 0.05,
+        dual_clip: float | None = None,
     ) -> None:
         self.path = BoundPath.build(low_range, high_range, low_step, high_step)
+        dual = None if dual_clip is None else _number("dual_clip", dual_clip)
+        if dual is not None and not (self.path.low_values[-1] < dual < math.inf):
+            raise ValueError(
+                f"dual_clip must be finite and > the largest c_low "
+                f"({self.path.low_values[-1]}), or None; got {dual_clip!r}"
+            )
+        self.dual_clip = dual
+        self._lead = 0 if dual_clip is None else 1  # leading bin: dual-clipped negatives
         self._sums: torch.Tensor | None = None
-        self._tables: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
 
-    def _table(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        """U = [-low_n, ..., -low_0, 0, high_0, ..., high_n]: the float64 path values rounded
-        once to the ratio's dtype (as the loss rounds them), held in the compute dtype."""
-        key = (dtype, device)
-        if key not in self._tables:
-            low = torch.tensor(self.path.low_values, dtype=torch.float64).to(dtype)
-            high = torch.tensor(self.path.high_values, dtype=torch.float64).to(dtype)
-            table = torch.cat([-low.flip(0), torch.zeros(1, dtype=dtype), high])
-            self._tables[key] = table.to(compute_dtype(dtype)).to(device)
-        return self._tables[key]
+    def _locator(self, dtype: torch.dtype, device: torch.device) -> _Locator:
+        path = self.path
+        return _locator(path.low_values, path.high_values, self.dual_clip, dtype, device)
 
     def add(
         self,
@@ -293,8 +437,8 @@ class BoundAccumulator:
     ) -> None:
         """Add one batch of tokens (any shape, all four tensors the same shape).
 
-        ratio: r = pi_theta / pi_rollout (detached here); advantages: A; mask: nonzero = token
-        counts; weights: optional w >= 0 per token. Tokens whose r, A or w is not finite (or
+        ratio: r = pi_theta / pi_rollout >= 0 (detached here); advantages: A; mask: nonzero =
+        token counts; weights: optional w >= 0 per token. Tokens whose r, A or w is not finite (or
         whose product w * r * A overflows) are left out. No host sync.
         """
         _check_same_shape(
@@ -307,12 +451,12 @@ class BoundAccumulator:
         adv = advantages.detach().reshape(-1).to(cd)
         keep = mask.reshape(-1)
         keep = keep if keep.dtype == torch.bool else keep != 0
-        m = r * adv  # signed w r A; |.| below
+        key = torch.copysign(r, adv)  # +r for A > 0, -r for A < 0
+        m = key * adv  # r |A| >= 0: key and A have the same sign
         if weights is not None:
             m = m * weights.detach().reshape(-1).to(cd)
         keep = keep & ((m - m) == 0)  # false for NaN/inf in r, A, w
-        mass = torch.where(keep, m, 0.0).abs_()
-        self.add_keyed(torch.copysign(r, adv), mass, ratio.dtype)
+        self.add_keyed(torch.where(keep, key, 0.0), torch.where(keep, m, 0.0), ratio.dtype)
 
     def add_keyed(self, key: torch.Tensor, mass: torch.Tensor, dtype: torch.dtype) -> None:
         """Lower-level `add` for callers that already hold clean tensors (the BAPO loss).
@@ -321,13 +465,15 @@ class BoundAccumulator:
         mass = w r |A| >= 0 and finite (0 for tokens that do not count), `dtype` = the ratio's
         dtype whose rounding of the path values is used.
         """
-        table = self._table(dtype, key.device)
-        # One binary search places every token on the path: for a negative token (key = -r)
+        locator = self._locator(dtype, key.device)
+        # One look-up places every token on the path: for a negative token (key = -r)
         # count = #{j: -low_j <= -r} = #{j: low_j >= r}, i.e. n_low + 1 - (exit index); for a
         # positive token count = n_low + 2 + #{i: high_i <= r}, i.e. n_low + 2 + (entry index).
         # r == 0 lands on either side of the 0 separator, but then its mass is 0.
-        count = torch.bucketize(key, table, right=True)
-        bins = torch.bincount(count, weights=mass.double(), minlength=table.numel() + 1)
+        # With a dual clip every count is one higher and bin 0 holds the dual-clipped negatives.
+        count = locator.count(key.reshape(-1))
+        size = locator.table.numel() + 1
+        bins = torch.bincount(count, weights=mass.reshape(-1).double(), minlength=size)
         if self._sums is None:
             self._sums = torch.zeros_like(bins, dtype=torch.float64)
         self._sums.add_(bins)
@@ -339,14 +485,28 @@ class BoundAccumulator:
         which to sum the vectors first; None = this process only.
         """
         rho0 = check_rho0(rho0)
-        size = self.path.n_high + self.path.n_low + 4
+        return _solve(self.path, self._host_sums(group), rho0)
+
+    def _host_sums(self, group: Any) -> list[float]:
+        """All-reduce (optional) and read the sums to the host: the one sync of the search."""
+        size = self.path.n_high + self.path.n_low + 4 + self._lead
         sums = self._sums if self._sums is not None else torch.zeros(size, dtype=torch.float64)
         if group is not None:
             import torch.distributed as dist
 
             sums = sums.clone()
             dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=group)
-        return _solve(self.path, sums.tolist(), rho0)
+        return sums.tolist()[self._lead :]
+
+    def rho_along_path(self, group: Any = None) -> list[float]:
+        """rho at every path point (K numbers, one host read): for logging the curve or checking
+        it. Non-decreasing up to float rounding."""
+        pos_at, neg_at, _ = _rho_curve(self.path, self._host_sums(group))
+        n_h = self.path.n_high
+        return [
+            rho_from_sums(pos_at[min(k, n_h)], neg_at[max(0, k - n_h)])
+            for k in range(len(self.path))
+        ]
 
     def reset(self) -> None:
         """Forget the added sums (start the next optimizer step)."""
@@ -365,15 +525,21 @@ def adaptive_bounds(
     high_step: float = 0.05,
     weights: torch.Tensor | None = None,
     group: Any = None,
+    dual_clip: float | None = None,
 ) -> BapoBounds:
     """Algorithm 1 of the BAPO paper on one batch of tokens: one `add` and one `solve`.
 
-    ratio, advantages, mask (and weights) have the same shape, e.g. [B, T]. Returns `BapoBounds`
-    with Python numbers. See the module docstring for the exact semantics.
+    ratio, advantages, mask (and weights) have the same shape, e.g. [B, T]. dual_clip: leave out
+    negative tokens with r >= dual_clip (they carry no gradient under a dual-clipped loss).
+    Returns `BapoBounds` with Python numbers. See the module docstring for the exact semantics.
     """
     rho0 = check_rho0(rho0)
     acc = BoundAccumulator(
-        low_range=low_range, high_range=high_range, low_step=low_step, high_step=high_step
+        low_range=low_range,
+        high_range=high_range,
+        low_step=low_step,
+        high_step=high_step,
+        dual_clip=dual_clip,
     )
     acc.add(ratio, advantages, mask, weights)
     return acc.solve(rho0, group=group)

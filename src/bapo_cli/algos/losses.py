@@ -2,7 +2,7 @@
 
 All three minimise the negated PPO surrogate, token by token,
 
-    loss_t = -min(r_t A_t, clip(r_t, c_low, c_high) A_t),    r_t = exp(log pi_theta - log pi_rollout)
+    loss_t = -min(r_t A_t, clip(r_t, c_low, c_high) A_t),   r_t = exp(log pi_theta - log pi_old)
 
 and differ only in where the bounds come from: `ppo` uses (1 - eps, 1 + eps), `clip_higher` uses
 (1 - eps_low, 1 + eps_high) (DAPO: 0.2 / 0.28), `bapo` chooses them per update with Algorithm 1
@@ -39,11 +39,22 @@ from typing import Any
 
 import torch
 
-from bapo_cli.algos.bounds import BapoBounds, BoundAccumulator, check_rho0, compute_dtype
+from bapo_cli.algos.bounds import (
+    BapoBounds,
+    BoundAccumulator,
+    BoundPath,
+    check_rho0,
+    compute_dtype,
+    number,
+)
 from bapo_cli.algos.registry import Registry
 
 __all__ = [
     "AGGREGATIONS",
+    "Tokens",
+    "aggregate",
+    "prepare_tokens",
+    "token_activity",
     "REGISTRY",
     "WEIGHTINGS",
     "bapo_loss",
@@ -160,10 +171,11 @@ def _rounded(value: float, like: Tensor) -> float:
 def _check_dual_clip(dual_clip: float | None, c_low_max: float) -> float | None:
     if dual_clip is None:
         return None
-    value = float(dual_clip)
-    if not (value > max(1.0, c_low_max)) or math.isnan(value):
+    value = number("dual_clip", dual_clip)
+    if not (max(1.0, c_low_max) < value < math.inf):
         raise ValueError(
-            f"dual_clip must be > 1 and > the largest c_low ({c_low_max}), or None; got {dual_clip!r}"
+            f"dual_clip must be > 1 and > the largest c_low ({c_low_max}), or None; "
+            f"got {dual_clip!r}"
         )
     return value
 
@@ -176,7 +188,7 @@ def _check_agg(agg: str, dim: int) -> None:
 
 
 def _check_positive(name: str, value: Any) -> None:
-    if value is not None and not isinstance(value, Tensor) and not float(value) > 0:
+    if value is not None and not isinstance(value, Tensor) and not number(name, value) > 0:
         raise ValueError(f"{name} must be > 0 (or None), got {value!r}")
 
 
@@ -208,10 +220,7 @@ def aggregate(
         denom = global_tokens if global_tokens is not None else valid.sum().clamp(min=1)
         return loss_tok.sum() / denom
     seq_loss = loss_tok.sum(dim=-1)  # [B]
-    if global_seqs is not None:
-        n_seqs = global_seqs
-    else:
-        n_seqs = valid.any(dim=-1).sum().clamp(min=1)
+    n_seqs = global_seqs if global_seqs is not None else valid.any(dim=-1).sum().clamp(min=1)
     if agg == "seq-mean-token-sum":
         return seq_loss.sum() / n_seqs
     if agg == "seq-mean-token-mean":
@@ -219,6 +228,21 @@ def aggregate(
         return (seq_loss / seq_tokens).sum() / n_seqs
     horizon = norm_len if norm_len is not None else loss_tok.shape[-1]
     return seq_loss.sum() / (n_seqs * horizon)
+
+
+def token_activity(
+    tok: Tokens, c_low: float, c_high: float, dual_clip: float | None = None
+) -> tuple[Tensor, Tensor]:
+    """(active_pos, active_neg) bool masks: A > 0 and r < c_high; A < 0 and c_low < r (< dual).
+
+    Strict comparisons in the ratio's dtype, the same ones the bound search counts with.
+    """
+    r = tok.r
+    active_pos = tok.pos & (r < _rounded(c_high, r))  # A > 0: inside while r < c_high
+    active_neg = tok.neg & (r > _rounded(c_low, r))  # A < 0: inside while r > c_low ...
+    if dual_clip is not None:
+        active_neg = active_neg & (r < _rounded(dual_clip, r))  # ... and below the dual clip
+    return active_pos, active_neg
 
 
 def clipped_surrogate(
@@ -235,14 +259,9 @@ def clipped_surrogate(
     """clip -> per-token loss -> masked aggregation, given bounds (c_low, c_high)."""
     r, adv = tok.r, tok.adv
     lo, hi = _rounded(c_low, r), _rounded(c_high, r)
+    upper_neg = None if dual_clip is None else _rounded(dual_clip, r)
     # Clip: which tokens carry gradient (the bound search uses these very comparisons).
-    active_pos = tok.pos & (r < hi)  # A > 0: inside while r < c_high
-    active_neg = tok.neg & (r > lo)  # A < 0: inside while r > c_low ...
-    upper_neg = None
-    if dual_clip is not None:
-        dual = _rounded(dual_clip, r)
-        active_neg = active_neg & (r < dual)  # ... and below the dual clip
-        upper_neg = dual
+    active_pos, active_neg = token_activity(tok, c_low, c_high, dual_clip)
     active = active_pos | active_neg
     # Value of the surrogate ratio of a clipped token: min(r, c_high) for A > 0,
     # min(max(r, c_low), dual_clip) for A < 0. Active tokens keep r_t with its gradient.
@@ -294,7 +313,7 @@ def ppo_loss(
     norm_len: float | None = None,
 ) -> tuple[Tensor, dict[str, Any]]:
     """PPO-clip with symmetric bounds (1 - eps, 1 + eps); with GRPO advantages this is GRPO."""
-    if not 0.0 < float(eps) < 1.0:
+    if not 0.0 < number("eps", eps) < 1.0:
         raise ValueError(f"eps must lie in (0, 1), got {eps!r}")
     return clip_higher_loss(
         log_prob,
@@ -327,9 +346,9 @@ def clip_higher_loss(
     norm_len: float | None = None,
 ) -> tuple[Tensor, dict[str, Any]]:
     """Asymmetric bounds (1 - eps_low, 1 + eps_high), DAPO's clip-higher (0.2 / 0.28)."""
-    if not 0.0 < float(eps_low) < 1.0:
+    if not 0.0 < number("eps_low", eps_low) < 1.0:
         raise ValueError(f"eps_low must lie in (0, 1), got {eps_low!r}")
-    if not 0.0 < float(eps_high) < math.inf:
+    if not 0.0 < number("eps_high", eps_high) < math.inf:
         raise ValueError(f"eps_high must be a finite number > 0, got {eps_high!r}")
     c_low, c_high = 1.0 - float(eps_low), 1.0 + float(eps_high)
     dual_clip = _check_dual_clip(dual_clip, c_low)
@@ -347,19 +366,17 @@ def clip_higher_loss(
     )
 
 
-def _search_key_mass(
-    tok: Tokens, old_log_prob: Tensor, dual_clip: float | None, weighting: str
-) -> tuple[Tensor, Tensor]:
-    """key = copysign(r, A) and mass = w r |A| for the bound search, from prepared tokens."""
+def _search_key_mass(tok: Tokens, old_log_prob: Tensor, weighting: str) -> tuple[Tensor, Tensor]:
+    """key = copysign(r, A) and mass = w r |A| for the bound search, from prepared tokens (the
+    accumulator, built with the loss's dual clip, leaves out dual-clipped negatives itself)."""
     cd = compute_dtype(tok.r.dtype)
-    r, adv = tok.r.to(cd), tok.adv.to(cd)
-    mass = (r * adv).abs_()  # r |A|; 0 on invalid tokens (A = 0 there)
-    if dual_clip is not None:  # negatives above the dual clip never carry gradient
-        mass = torch.where(tok.neg & (tok.r >= _rounded(dual_clip, tok.r)), 0.0, mass)
+    adv = tok.adv.to(cd)
+    key = torch.copysign(tok.r.to(cd), adv)  # +r for A > 0, -r for A < 0
+    mass = key * adv  # r |A| (same signs); 0 on invalid tokens (A = 0 there)
     if weighting == "rollout_prob":  # paper Eq. 8: w = pi_rollout(y_t)
         w = torch.where(tok.valid, old_log_prob.detach().exp(), 0.0)  # as `search_inputs`
         mass = mass * w.to(cd)
-    return torch.copysign(r, adv), mass
+    return key, mass
 
 
 def search_inputs(
@@ -422,12 +439,17 @@ def bapo_loss(
     _check_agg(agg, log_prob.dim())
     if bounds is None:
         rho0 = check_rho0(rho0)
+        path_low_max = BoundPath.build(low_range, high_range, low_step, high_step).low_values[-1]
+        dual_clip = _check_dual_clip(dual_clip, path_low_max)
         acc = BoundAccumulator(
-            low_range=low_range, high_range=high_range, low_step=low_step, high_step=high_step
+            low_range=low_range,
+            high_range=high_range,
+            low_step=low_step,
+            high_step=high_step,
+            dual_clip=dual_clip,
         )
-        dual_clip = _check_dual_clip(dual_clip, acc.path.low_values[-1])
         tok = prepare_tokens(log_prob, old_log_prob, advantages, mask)
-        key, mass = _search_key_mass(tok, old_log_prob, dual_clip, weighting)
+        key, mass = _search_key_mass(tok, old_log_prob, weighting)
         acc.add_keyed(key, mass, tok.r.dtype)
         bounds = acc.solve(rho0, group=group)
     elif not isinstance(bounds, BapoBounds):

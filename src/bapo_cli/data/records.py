@@ -1,0 +1,220 @@
+"""Rows of text fields from a local file or a HF dataset, shared by prompt sets and benchmarks.
+
+`load_records(path=..., hf_id=..., split=..., fields={"problem": "question", ...})` reads local
+.jsonl / .json / .parquet / .csv files, or (only when no path is given) a HF dataset by id, and maps
+each row to the canonical names in `fields` (canonical name -> column name). Every value is kept
+as a string: ints and integral floats are converted, anything else (null, lists, dicts, NaN,
+blank strings) makes the row unusable.
+
+Bad input never stops a run that still has usable rows: rows lacking a field or holding an
+unusable value -- and unparsable .jsonl lines -- are skipped, counted per reason and reported in
+one warning. Only when no row is usable, or the file / dataset cannot be read at all, does
+`DataError` (a ValueError) say so in one line naming the source and the fields looked for.
+
+The canonical field `id` is optional: when it is not configured, or a row lacks it, the row's
+index in the source (0-based) is its id.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import logging
+import math
+from collections import Counter
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+ID_FIELD = "id"
+SUFFIXES = (".jsonl", ".json", ".parquet", ".csv")
+
+
+class DataError(ValueError):
+    """Prompt or benchmark data that cannot be used; the message is one line."""
+
+
+@dataclass
+class Records:
+    """Usable rows (canonical field -> string) and what was skipped, per reason."""
+
+    rows: list[dict[str, str]]
+    skipped: int
+    source: str
+    reasons: Counter[str] = field(default_factory=Counter)
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+
+def load_records(
+    *,
+    path: str | Path | None,
+    hf_id: str | None,
+    split: str,
+    fields: Mapping[str, str],
+    config_name: str | None = None,
+) -> Records:
+    """Read rows from `path` (wins) or the HF dataset `hf_id` and keep those with every field.
+
+    `fields` maps canonical names to column names, e.g.
+    {"id": "unique_id", "problem": "problem", "answer": "answer"}; every field but `id` is required.
+    """
+    if path is not None and str(path):
+        source = str(path)
+        raw = _read_file(Path(path).expanduser(), split)
+    elif hf_id:
+        source = f"{hf_id} (split {split})"
+        raw = _read_hub(hf_id, split, config_name)
+    else:
+        raise DataError("no data source: set a local path or a HF dataset id")
+    return _select(raw, fields, source)
+
+
+# ------------------------------------------------------------------------------------- sources
+
+_BAD_LINE = object()
+"""Marks a .jsonl line that is not a JSON object (counted as unparsable)."""
+
+
+def _read_file(path: Path, split: str) -> list[Any]:
+    if not path.exists():
+        raise DataError(f"{path}: no such file")
+    if path.is_dir():
+        raise DataError(f"{path}: is a directory; give a {'/'.join(SUFFIXES)} file")
+    suffix = path.suffix.lower()
+    if suffix not in SUFFIXES:
+        raise DataError(f"{path}: unsupported file type {suffix!r}; use {', '.join(SUFFIXES)}")
+    try:
+        if suffix == ".jsonl":
+            return list(_jsonl_rows(path))
+        if suffix == ".json":
+            return _json_rows(path, split)
+        if suffix == ".csv":
+            with path.open(newline="", encoding="utf-8") as f:
+                return list(csv.DictReader(f))
+        import pyarrow.parquet as pq
+
+        return pq.read_table(path).to_pylist()
+    except DataError:
+        raise
+    except (OSError, UnicodeDecodeError, ValueError) as err:
+        raise DataError(f"{path}: cannot read ({_first_line(err)})") from None
+    except Exception as err:  # pyarrow's ArrowInvalid and friends
+        raise DataError(f"{path}: cannot read ({type(err).__name__}: {_first_line(err)})") from None
+
+
+def _jsonl_rows(path: Path) -> Iterable[Any]:
+    with path.open(encoding="utf-8") as f:
+        for line in f:
+            if not line.strip():
+                continue
+            try:
+                yield json.loads(line)
+            except json.JSONDecodeError:
+                yield _BAD_LINE
+
+
+def _json_rows(path: Path, split: str) -> list[Any]:
+    """A list of objects, {split|"data"|"rows": [...]}, or columns {name: [values, ...]}."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as err:
+        raise DataError(f"{path}: not valid JSON ({err})") from None
+    if isinstance(data, list):
+        return data
+    if isinstance(data, dict):
+        for key in (split, "data", "rows"):
+            if isinstance(data.get(key), list):
+                return data[key]
+        columns = [v for v in data.values() if isinstance(v, list)]
+        if columns and len(columns) == len(data) and len({len(c) for c in columns}) == 1:
+            names = list(data)
+            return [dict(zip(names, values, strict=True)) for values in zip(*columns, strict=True)]
+    raise DataError(
+        f"{path}: expected a list of objects, {{{split!r}: [...]}} or columns of equal length"
+    )
+
+
+def _read_hub(hf_id: str, split: str, config_name: str | None) -> list[Any]:
+    try:
+        import datasets
+    except ImportError as err:  # pragma: no cover - datasets is a dependency
+        raise DataError(f"{hf_id}: loading a HF dataset needs `datasets` ({err})") from None
+    what = f"{hf_id}" + (f" (config {config_name})" if config_name else "")
+    try:
+        dataset = datasets.load_dataset(hf_id, config_name, split=split)
+    except Exception as err:  # offline, unknown id, unknown split: all end the same way
+        raise DataError(
+            f"HF dataset {what}, split {split!r}: could not be loaded ({_first_line(err)}); "
+            "with no network, download it elsewhere and pass a local file as the path"
+        ) from None
+    return list(dataset)
+
+
+# ----------------------------------------------------------------------------------- selection
+
+
+def _as_text(value: Any) -> str | None:
+    """The value as a non-blank string, or None when it cannot be one."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, str):
+        return value if value.strip() else None
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, float) and math.isfinite(value):
+        return str(int(value)) if value.is_integer() else repr(value)
+    return None
+
+
+def _select(raw: list[Any], fields: Mapping[str, str], source: str) -> Records:
+    required = {name: column for name, column in fields.items() if name != ID_FIELD}
+    id_column = fields.get(ID_FIELD)
+    rows: list[dict[str, str]] = []
+    reasons: Counter[str] = Counter()
+    for index, item in enumerate(raw):
+        if not isinstance(item, Mapping):
+            reasons["unparsable row"] += 1
+            continue
+        row: dict[str, str] = {}
+        for name, column in required.items():
+            if column not in item:
+                reasons[f"missing {column!r}"] += 1
+                break
+            text = _as_text(item[column])
+            if text is None:
+                reasons[f"unusable {column!r}"] += 1
+                break
+            row[name] = text
+        else:
+            ident = _as_text(item.get(id_column)) if id_column else None
+            rows.append({ID_FIELD: ident if ident is not None else str(index), **row})
+    skipped = sum(reasons.values())
+    looked_for = ", ".join(f"{name}={column!r}" for name, column in fields.items())
+    if not rows:
+        found = _columns_seen(raw)
+        raise DataError(
+            f"{source}: no usable rows among {len(raw)} (looked for {looked_for}"
+            + (f"; columns found: {', '.join(found)}" if found else "")
+            + ")"
+        )
+    if skipped:
+        detail = ", ".join(f"{reason}: {count}" for reason, count in sorted(reasons.items()))
+        log.warning("%s: skipped %d of %d rows (%s)", source, skipped, len(raw), detail)
+    return Records(rows=rows, skipped=skipped, source=source, reasons=reasons)
+
+
+def _columns_seen(raw: list[Any]) -> list[str]:
+    for item in raw:
+        if isinstance(item, Mapping):
+            return [str(k) for k in item]
+    return []
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__

@@ -1,0 +1,201 @@
+"""The policy: load it by HF id, local directory or `tiny`; save and load checkpoints.
+
+    model.path=tiny                      the locally built, warmed-up tiny Qwen2 (bapo_cli.tiny)
+    model.path=/path/to/checkpoint       any HF directory (config.json + weights + tokenizer)
+    model.path=Qwen/Qwen2.5-Math-1.5B    a hub id, through the HF cache (needs a network once)
+
+Device `auto` is CUDA when available, else CPU; dtype `auto` is bfloat16 on CUDA and float32 on
+CPU. Tokenizers are returned with a pad token and left padding (for batched generation). Prompts
+go through `format_prompt` -- the chat template when the tokenizer has one -- and are then encoded
+with special tokens, which is also what vLLM does with a text prompt, so both engines see the same
+ids. Checkpoints are written to a temporary sibling and renamed into place, so a kill never leaves
+a half-written checkpoint under its final name.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+TINY = "tiny"
+
+
+class ModelLoadError(ValueError):
+    """A model or tokenizer that cannot be loaded; the message is one line naming what was tried."""
+
+
+def resolve_device(cfg: Any) -> torch.device:
+    """`model.device`: auto = cuda when available, else cpu."""
+    if cfg.device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if cfg.device == "cuda" and not torch.cuda.is_available():
+        raise ModelLoadError("model.device=cuda: CUDA is not available here (use auto or cpu)")
+    return torch.device(cfg.device)
+
+
+def resolve_dtype(cfg: Any, device: torch.device) -> torch.dtype:
+    """`model.dtype`: auto = bfloat16 on CUDA, float32 elsewhere."""
+    if cfg.dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    dtype = getattr(torch, cfg.dtype, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ModelLoadError(f"model.dtype={cfg.dtype}: not a torch dtype")
+    return dtype
+
+
+def model_dir(cfg: Any) -> Path | str:
+    """What an engine (vLLM) loads for this config: the tiny cache dir (built if missing) or the
+    local directory as a Path; a hub id is returned unchanged as a string."""
+    if cfg.path == TINY:
+        from bapo_cli.tiny import ensure_tiny
+
+        return ensure_tiny(cfg.tiny)
+    local = Path(cfg.path).expanduser()
+    if local.exists() or _looks_local(cfg.path):
+        return local
+    return cfg.path
+
+
+def load_policy(
+    cfg: Any, *, device: torch.device | None = None, dtype: torch.dtype | None = None
+) -> tuple[Any, Any]:
+    """(model, tokenizer) for a `ModelConfig`, on `device` in `dtype` (resolved from cfg if None).
+
+    The model comes back in eval mode; gradient checkpointing is enabled when the config asks.
+    """
+    device = device if device is not None else resolve_device(cfg)
+    dtype = dtype if dtype is not None else resolve_dtype(cfg, device)
+    source = model_dir(cfg)
+    remote = bool(getattr(cfg, "trust_remote_code", False))
+    if isinstance(source, Path):
+        model, tokenizer = load_checkpoint(source, device, dtype, trust_remote_code=remote)
+    else:
+        model, tokenizer = _load_hub(source, device, dtype, trust_remote_code=remote)
+    if getattr(cfg, "gradient_checkpointing", False):
+        # transformers 5 renamed it (the old name warns); 4.x only has the old one
+        enable = getattr(model, "activation_checkpointing_enable", None)
+        (enable or model.gradient_checkpointing_enable)()
+    return model, tokenizer
+
+
+def load_checkpoint(
+    directory: str | Path,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float32,
+    *,
+    trust_remote_code: bool = False,
+) -> tuple[Any, Any]:
+    """(model, tokenizer) from a HF-format directory (as written by `save_checkpoint`)."""
+    directory = Path(directory).expanduser()
+    if not directory.is_dir():
+        raise ModelLoadError(f"model.path={directory}: no such directory")
+    if not (directory / "config.json").is_file():
+        raise ModelLoadError(f"model.path={directory}: not a HF model directory (no config.json)")
+    what = "the local directory could not be loaded"
+    return _from_pretrained(str(directory), device, dtype, trust_remote_code, what)
+
+
+def save_checkpoint(
+    model: Any,
+    tokenizer: Any,
+    directory: str | Path,
+    *,
+    extra: Callable[[Path], None] | None = None,
+) -> Path:
+    """Write model (safetensors) and tokenizer to `directory` atomically; returns the directory.
+
+    Everything goes to a temporary sibling first (`extra(tmp)` may add files there, e.g. trainer
+    state); the final name appears only when complete. An existing checkpoint of the same name is
+    moved aside, replaced, then deleted: a kill between those two renames leaves it as the sibling
+    `.<name>.old-*` rather than under its name, never half-written.
+    """
+    directory = Path(directory).expanduser()
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    token = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    tmp = directory.parent / f".{directory.name}.tmp-{token}"
+    old = directory.parent / f".{directory.name}.old-{token}"
+    try:
+        model.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+        if extra is not None:
+            extra(tmp)
+        if directory.exists():
+            os.replace(directory, old)
+        os.replace(tmp, directory)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(old, ignore_errors=True)
+    return directory
+
+
+def format_prompt(tokenizer: Any, text: str) -> str:
+    """The prompt text an engine encodes: the chat template (one user turn, generation prompt
+    added) when the tokenizer has one, else `text`. A leading BOS written by the template is
+    removed when the tokenizer adds BOS itself, so encoding with special tokens gives one BOS."""
+    if not getattr(tokenizer, "chat_template", None):
+        return text
+    rendered = tokenizer.apply_chat_template(
+        [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True
+    )
+    bos = tokenizer.bos_token
+    if bos and rendered.startswith(bos) and _adds_bos(tokenizer):
+        rendered = rendered[len(bos) :]
+    return rendered
+
+
+# ------------------------------------------------------------------------------------- helpers
+
+
+def _adds_bos(tokenizer: Any) -> bool:
+    ids = tokenizer("x")["input_ids"]
+    return bool(ids) and ids[0] == tokenizer.bos_token_id
+
+
+def _looks_local(path: str) -> bool:
+    """A path that cannot be a hub id (`org/name`): absolute, ~, ./, ../ or several slashes."""
+    return (
+        path.startswith(("/", "~", "./", "../", ".\\"))
+        or path.count("/") > 1
+        or path.endswith("/")
+        or (os.sep != "/" and os.sep in path)
+    )
+
+
+def _load_hub(hf_id: str, device: torch.device, dtype: torch.dtype, *, trust_remote_code: bool):
+    what = "no local directory of that name, and the HF hub id could not be loaded"
+    return _from_pretrained(hf_id, device, dtype, trust_remote_code, what)
+
+
+def _from_pretrained(
+    source: str, device: Any, dtype: torch.dtype, trust_remote_code: bool, what: str
+) -> tuple[Any, Any]:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code)
+        model = AutoModelForCausalLM.from_pretrained(
+            source, dtype=dtype, trust_remote_code=trust_remote_code
+        )
+    except Exception as err:  # missing files, no network, unknown id, bad weights
+        raise ModelLoadError(f"model.path={source}: {what} ({_first_line(err)})") from None
+    tokenizer.padding_side = "left"
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token or tokenizer.unk_token
+    if model.config.pad_token_id is None and tokenizer.pad_token_id is not None:
+        model.config.pad_token_id = tokenizer.pad_token_id
+        if model.generation_config is not None:
+            model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.to(device)
+    model.eval()
+    return model, tokenizer
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__

@@ -1,0 +1,225 @@
+r"""Is a model's final answer mathematically equal to the reference? Fast, bounded, never eval'd.
+
+A response is graded in three steps, cheapest first:
+
+1. **Extract** the content of the last ``\boxed{...}`` (`extract.last_boxed`). No box, an unclosed
+   box, an answer over `MAX_ANSWER_CHARS` or nested deeper than `MAX_BRACE_DEPTH` → wrong, without
+   any parsing (a 1 MB response costs a few ms here).
+2. **Fast path** (`fast_verdict`): compare ``normalize_answer`` forms. Equal → right. Both integers
+   (AIME) and different → wrong. Both plain decimals → compared exactly. Most AIME samples end here
+   and never touch sympy.
+3. **math-verify** (`verify_latex`): ``parse`` + ``verify`` on the reference and the answer, each
+   given LaTeX context as ``$\boxed{...}$``. Parsed raw, references such as ``\sqrt{12}`` or
+   ``\frac34`` do not parse and right answers are marked wrong; inside a box they parse. Only
+   math-verify's LaTeX extractor is used: its plain-expression extractor calls sympy's
+   ``parse_expr``, which ``eval``s the text, and model text is never eval'd.
+
+Step 3 runs in a `guard.TimeLimitedWorker` (a persistent child process) with math-verify's own
+signal timeouts turned off (they only work in the main thread). A comparison that exceeds
+``timeout_s`` — ``9^{9^{9^9}}`` would run for hours — kills the child and counts as wrong; the next
+slow sample restarts it. Each timeout logs one line with the answer cut to 80 characters. Results
+of step 3 are cached per (reference, answer), since groups of samples repeat the same answer.
+
+``MathGrader`` owns one worker; ``bapo_cli.rewards.grade`` uses a shared default instance.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+from decimal import Decimal, InvalidOperation
+
+from bapo_cli.rewards.extract import brace_depth, is_integer, last_boxed, normalize_answer
+from bapo_cli.rewards.guard import TimeLimitedWorker
+
+__all__ = [
+    "DEFAULT_TIMEOUT_S",
+    "MAX_ANSWER_CHARS",
+    "MAX_BRACE_DEPTH",
+    "MathGrader",
+    "extract_answer",
+    "fast_verdict",
+    "reference_answer",
+    "verify_latex",
+]
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_TIMEOUT_S = 5.0
+MAX_ANSWER_CHARS = 2000  # longer "answers" (and references) are wrong without parsing
+# math-verify's LaTeX parser is exponential in bare nested braces ("{{{x}}}"): depth 10 costs
+# ~0.7 s, 12 ~1.6 s, 14 ~6 s. The deepest MATH-500 reference nests 2 levels.
+MAX_BRACE_DEPTH = 10
+WORKER_MODULE = "bapo_cli.rewards.worker"
+
+_DECIMAL = re.compile(r"[+-]?(?:\d+\.?\d*|\.\d+)", re.ASCII)
+
+
+def extract_answer(response: str) -> str | None:
+    """The final answer of a response (last box), None when there is none or it is too long."""
+    return last_boxed(response, max_chars=MAX_ANSWER_CHARS)
+
+
+def reference_answer(reference: str) -> str:
+    r"""A dataset reference as a bare answer: ``$\boxed{5}$`` and ``5`` both give ``5``."""
+    ref = reference.strip()
+    if "\\boxed" in ref or "\\fbox" in ref:
+        ref = last_boxed(ref) or ref
+    return ref.strip().strip("$").strip()
+
+
+def _hostile(s: str) -> bool:
+    return len(s) > MAX_ANSWER_CHARS or brace_depth(s) > MAX_BRACE_DEPTH
+
+
+def fast_verdict(answer: str | None, reference: str) -> bool | None:
+    """True/False when string rules decide; None when math-verify must look.
+
+    ``answer`` is the extracted answer (None: no answer) and ``reference`` a bare reference.
+    """
+    if answer is None or not answer.strip() or not reference.strip():
+        return False
+    if _hostile(answer) or _hostile(reference):
+        return False
+    na, nr = normalize_answer(answer), normalize_answer(reference)
+    if na == nr:
+        return bool(na)
+    if is_integer(na) and is_integer(nr):
+        return False
+    if len(na) < 64 and len(nr) < 64 and _DECIMAL.fullmatch(na) and _DECIMAL.fullmatch(nr):
+        try:
+            if Decimal(na) == Decimal(nr):
+                return True
+        except InvalidOperation:  # pragma: no cover - the regex admits only valid decimals
+            return None
+        if is_integer(nr):
+            return False
+    return None
+
+
+def verify_latex(reference: str, answer: str) -> bool:
+    """math-verify on two bare LaTeX answers, in this process and with no time limit.
+
+    The worker calls this; call it directly only on trusted or already-bounded input.
+    """
+    from math_verify import LatexExtractionConfig, parse, verify
+
+    config = (LatexExtractionConfig(boxed_match_priority=0),)
+    gold = parse(f"$\\boxed{{{reference}}}$", extraction_config=config, parsing_timeout=None)
+    if not gold:
+        return False
+    pred = parse(f"$\\boxed{{{answer}}}$", extraction_config=config, parsing_timeout=None)
+    if not pred:
+        return False
+    return bool(verify(gold, pred, timeout_seconds=None))
+
+
+class MathGrader:
+    """Grades responses against references; owns one time-limited math-verify worker.
+
+    ``timeout_s`` bounds each math-verify comparison (a timeout counts as wrong and is cached);
+    ``memory_limit_mb`` caps the worker's address space (RLIMIT_AS, POSIX; None: no cap) so a
+    runaway sympy computation fails with MemoryError instead of swapping the machine.
+
+    Thread-safe. ``stats`` counts how samples were decided: ``fast`` (steps 1-2), ``math_verify``,
+    ``cached``, ``timeout``, ``crashed``, ``error``. ``close()`` kills the worker; the grader
+    remains usable and starts a new one when it next needs it.
+    """
+
+    def __init__(
+        self,
+        *,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        cache_size: int = 4096,
+        startup_timeout_s: float = 120.0,
+        memory_limit_mb: int | None = 4096,
+    ) -> None:
+        if not timeout_s > 0:
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s!r}")
+        self.timeout_s = float(timeout_s)
+        self.cache_size = int(cache_size)
+        args = () if memory_limit_mb is None else ("--memory-mb", str(int(memory_limit_mb)))
+        self.worker = TimeLimitedWorker(
+            WORKER_MODULE, args=args, startup_timeout_s=startup_timeout_s
+        )
+        self.stats = dict.fromkeys(
+            ("fast", "math_verify", "cached", "timeout", "crashed", "error"), 0
+        )
+        self._cache: OrderedDict[tuple[str, str], bool] = OrderedDict()
+        self._cache_lock = threading.Lock()
+
+    def grade(self, response: str, reference: str, *, timeout_s: float | None = None) -> bool:
+        """True iff the last boxed answer in ``response`` equals ``reference``."""
+        return self.grade_many([response], [reference], timeout_s=timeout_s)[0]
+
+    def grade_many(
+        self,
+        responses: Sequence[str],
+        references: Sequence[str],
+        *,
+        timeout_s: float | None = None,
+    ) -> list[bool]:
+        """Grade pairs; fast ones inline, the rest one by one in the worker (each ≤ timeout_s)."""
+        if len(responses) != len(references):
+            raise ValueError(
+                f"{len(responses)} responses but {len(references)} references: pass one each"
+            )
+        limit = self.timeout_s if timeout_s is None else float(timeout_s)
+        results: list[bool | None] = []
+        slow: dict[tuple[str, str], list[int]] = {}
+        for i, (response, reference) in enumerate(zip(responses, references, strict=True)):
+            answer = extract_answer(response) if isinstance(response, str) else None
+            ref = reference_answer(reference) if isinstance(reference, str) else ""
+            verdict = fast_verdict(answer, ref)
+            if verdict is None:
+                slow.setdefault((ref, answer), []).append(i)
+            results.append(verdict)
+        with self._cache_lock:
+            self.stats["fast"] += len(results) - sum(len(v) for v in slow.values())
+        for key, indices in slow.items():
+            verdict = self._slow(key, limit)
+            for i in indices:
+                results[i] = verdict
+        return [bool(r) for r in results]
+
+    def _slow(self, key: tuple[str, str], timeout_s: float) -> bool:
+        with self._cache_lock:
+            if key in self._cache:
+                self._cache.move_to_end(key)
+                self.stats["cached"] += 1
+                return self._cache[key]
+        outcome = self.worker.call(key, timeout_s)
+        verdict = outcome.status == "ok" and outcome.value is True
+        if outcome.status == "timeout":
+            logger.warning(
+                "math grading timed out after %.1f s, counted wrong; answer %r",
+                timeout_s,
+                key[1][:80],
+            )
+        elif outcome.status != "ok":
+            logger.warning(
+                "math grading %s (%s), counted wrong; answer %r",
+                outcome.status,
+                outcome.value,
+                key[1][:80],
+            )
+        with self._cache_lock:
+            self.stats["math_verify" if outcome.status == "ok" else outcome.status] += 1
+            if outcome.status != "crashed":  # a crash may be the machine's fault: retry next time
+                self._cache[key] = verdict
+                while len(self._cache) > self.cache_size:
+                    self._cache.popitem(last=False)
+        return verdict
+
+    def close(self) -> None:
+        """Kill the worker process (restarted lazily if the grader is used again)."""
+        self.worker.close()
+
+    def __enter__(self) -> MathGrader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,400 @@
+"""The tiny model: a ~0.3M-parameter Qwen2 built locally and warmed up on the arithmetic task.
+
+`bapo train` (model=tiny) needs no download: `ensure_tiny` builds a character-level tokenizer and a
+small Qwen2 (head_dim 64, since vLLM's CPU attention rejects 16), then runs a short supervised
+warm-up on `data.tasks.ArithTask` until greedy accuracy on a fixed held-out set reaches
+`sft_target_acc` -- a weak but non-zero start, like the SFT checkpoints the paper starts RL from.
+Stopping at a target accuracy, not after a time budget, gives the same checkpoint on any machine.
+
+The result is an ordinary HF directory (config.json, model.safetensors, tokenizer.json, ...), so
+`AutoModelForCausalLM` / `AutoTokenizer` and vLLM load it like any other model. It is cached under
+
+    $BAPO_CACHE_DIR/tiny/<key>      (default root: $XDG_CACHE_HOME/bapo-cli or ~/.cache/bapo-cli)
+
+where <key> hashes the settings and `BUILD_VERSION`; a missing entry is rebuilt, deterministically
+on CPU (same settings, same torch and thread count -> the same weights bit for bit). The build runs
+in a temporary sibling that is renamed into place after `COMPLETE_MARKER` is written, under a file
+lock, so a kill or two concurrent builds never leave a half-written entry.
+
+The tokenizer prepends <bos> itself (its post-processor), so HF and vLLM, both encoding the prompt
+text with special tokens, see the same ids.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import random
+import shutil
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from bapo_cli.data.tasks import ARITH_TEMPLATE, ArithTask, Problem
+
+BUILD_VERSION = 1
+"""Bump when the architecture, tokenizer or warm-up recipe changes: old cache entries go stale."""
+
+COMPLETE_MARKER = "COMPLETE"
+BUILD_INFO = "build_info.json"
+SPECIAL_TOKENS = ("<pad>", "<bos>", "<eos>", "<unk>")
+PAD_ID, BOS_ID, EOS_ID, UNK_ID = range(4)
+VOCAB_SIZE = len(SPECIAL_TOKENS) + 256
+"""Four special tokens, then one token per byte: ASCII character c has id 4 + ord(c)."""
+QWEN2_SPLIT = (
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
+    r"""|\s*[\r\n]+|\s+(?!\S)|\s+"""
+)
+"""Qwen2's pre-tokenizer split (with no merges it only decides where nothing can merge)."""
+MAX_POSITIONS = 256
+EVAL_EVERY = 20
+"""Warm-up steps between held-out accuracy checks."""
+EVAL_SIZE = 512
+MAX_ANSWER_TOKENS = 6
+BUILD_THREADS = 1
+"""Torch threads during the build: the weights then do not depend on the machine's core count,
+and a model this small gains little from more (on a busy 2-core machine one thread ran a warm-up
+step in 96 ms, two threads in 510 ms)."""
+
+log = logging.getLogger(__name__)
+
+
+# ------------------------------------------------------------------------------------ tokenizer
+
+
+def byte_alphabet() -> list[str]:
+    """The 256 characters byte-level BPE uses for the bytes 0..255 (GPT-2's `bytes_to_unicode`):
+    printable bytes stand for themselves, the others are shifted above U+0100 (space -> 'Ġ')."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
+    shifted = iter(range(256, 512))
+    return [chr(b) if b in keep else chr(next(shifted)) for b in range(256)]
+
+
+def build_tokenizer() -> Any:
+    """A byte-level `PreTrainedTokenizerFast` with no merges: one token per byte, <bos> prepended.
+
+    Every ASCII character is one token (id 4 + its code) and any other text round-trips as its
+    UTF-8 bytes, so nothing is ever unknown (<unk> exists but is never produced). The pipeline is
+    exactly Qwen2's (NFC, Qwen2's split regex, byte-level): transformers 5 loads a `qwen2`
+    checkpoint's tokenizer as `Qwen2Tokenizer` whatever class the directory names, rebuilding
+    that pipeline around the saved vocabulary -- so HF, vLLM and this function agree on the ids.
+    """
+    from tokenizers import (
+        Regex,
+        Tokenizer,
+        decoders,
+        models,
+        normalizers,
+        pre_tokenizers,
+        processors,
+    )
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {token: i for i, token in enumerate((*SPECIAL_TOKENS, *byte_alphabet()))}
+    tok = Tokenizer(
+        models.BPE(
+            vocab=vocab,
+            merges=[],
+            unk_token=None,
+            continuing_subword_prefix="",
+            end_of_word_suffix="",
+            fuse_unk=False,
+            byte_fallback=False,
+        )
+    )
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(QWEN2_SPLIT), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.TemplateProcessing(
+        single="<bos> $A", pair="<bos> $A $B", special_tokens=[("<bos>", BOS_ID)]
+    )
+    tok.add_special_tokens(list(SPECIAL_TOKENS))
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="<bos>",
+        eos_token="<eos>",
+        pad_token="<pad>",
+        unk_token="<unk>",
+        padding_side="left",
+        model_max_length=MAX_POSITIONS,
+    )
+
+
+# ---------------------------------------------------------------------------------------- model
+
+
+def settings_of(cfg: Any) -> dict[str, Any]:
+    """The tiny settings as a plain dict (from the dataclass or Hydra's DictConfig)."""
+    if dataclasses.is_dataclass(cfg) and not isinstance(cfg, type):
+        return dataclasses.asdict(cfg)
+    from omegaconf import OmegaConf
+
+    return dict(OmegaConf.to_container(cfg, resolve=True))  # type: ignore[arg-type]
+
+
+def build_key(cfg: Any) -> str:
+    """Cache key: a hash of every tiny setting and `BUILD_VERSION`."""
+    blob = json.dumps({"build_version": BUILD_VERSION, **settings_of(cfg)}, sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def cache_root(cache_dir: Path | None = None) -> Path:
+    """`cache_dir`, else $BAPO_CACHE_DIR, else $XDG_CACHE_HOME/bapo-cli, else ~/.cache/bapo-cli."""
+    if cache_dir is not None:
+        return Path(cache_dir).expanduser()
+    if os.environ.get("BAPO_CACHE_DIR"):
+        return Path(os.environ["BAPO_CACHE_DIR"]).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg) if xdg else Path.home() / ".cache") / "bapo-cli"
+
+
+def tiny_dir(cfg: Any, cache_dir: Path | None = None) -> Path:
+    """Where the tiny model of these settings lives (whether or not it is built yet)."""
+    return cache_root(cache_dir) / "tiny" / build_key(cfg)
+
+
+def is_complete(directory: Path) -> bool:
+    return (directory / COMPLETE_MARKER).is_file()
+
+
+def build_config(cfg: Any) -> Any:
+    """The Qwen2Config of the tiny settings (tied embeddings, vocabulary of the char tokenizer)."""
+    from transformers import Qwen2Config
+
+    s = settings_of(cfg)
+    return Qwen2Config(
+        vocab_size=VOCAB_SIZE,
+        hidden_size=s["hidden_size"],
+        intermediate_size=s["intermediate_size"],
+        num_hidden_layers=s["num_layers"],
+        num_attention_heads=s["num_heads"],
+        num_key_value_heads=s["num_kv_heads"],
+        head_dim=s["head_dim"],
+        max_position_embeddings=MAX_POSITIONS,
+        tie_word_embeddings=True,
+        use_sliding_window=False,
+        bos_token_id=BOS_ID,
+        eos_token_id=EOS_ID,
+        pad_token_id=PAD_ID,
+    )
+
+
+def ensure_tiny(cfg: Any, *, cache_dir: Path | None = None, progress: bool = True) -> Path:
+    """The directory of the warmed-up tiny model for `cfg` (a `TinyModelConfig`), built if missing.
+
+    A complete cache entry returns at once; otherwise the model is built under a file lock (a
+    second process waits and then finds it built) and moved into place only when complete.
+    """
+    from filelock import FileLock
+
+    final = tiny_dir(cfg, cache_dir)
+    if is_complete(final):
+        return final
+    final.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(final) + ".lock"):
+        if is_complete(final):
+            return final
+        tmp = final.parent / f".{final.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        try:
+            build_tiny(cfg, tmp, progress=progress)
+            if final.exists():  # an entry without its marker: left by an older, killed build
+                shutil.rmtree(final)
+            os.replace(tmp, final)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return final
+
+
+def build_tiny(cfg: Any, directory: Path, *, progress: bool = True) -> dict[str, Any]:
+    """Initialise, warm up and save the tiny model into `directory`; returns the build info."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(BUILD_THREADS)
+    try:
+        return _build(cfg, directory, progress=progress)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _build(cfg: Any, directory: Path, *, progress: bool) -> dict[str, Any]:
+    from transformers import Qwen2ForCausalLM
+
+    s = settings_of(cfg)
+    started = time.perf_counter()
+    tokenizer = build_tokenizer()
+    config = build_config(cfg)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(s["seed"])
+        model = Qwen2ForCausalLM(config)
+    # ids only: vLLM takes sampling defaults from generation_config.json, so set none
+    model.generation_config.update(bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID)
+    result = warm_up(model, tokenizer, cfg, progress=progress)
+    seconds = time.perf_counter() - started
+    info = {
+        "settings": s,
+        "build_version": BUILD_VERSION,
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "seconds": round(seconds, 2),
+        "torch": torch.__version__,
+        "threads": BUILD_THREADS,
+        **result,
+    }
+    if not result["target_reached"]:
+        log.warning(
+            "tiny model: warm-up stopped at sft_max_steps=%d with held-out accuracy %.3f < "
+            "sft_target_acc=%.3f",
+            s["sft_max_steps"],
+            result["accuracy"],
+            s["sft_target_acc"],
+        )
+    directory.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(directory, safe_serialization=True)
+    tokenizer.save_pretrained(directory)
+    (directory / BUILD_INFO).write_text(json.dumps(info, indent=2) + "\n")
+    (directory / COMPLETE_MARKER).write_text(f"{BUILD_VERSION}\n")
+    return info
+
+
+# -------------------------------------------------------------------------------------- warm-up
+
+
+def _sft_batch(tokenizer: Any, problems: list[Problem]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-padded <bos> prompt answer <eos> with labels on the answer and <eos> only."""
+    prompts = tokenizer([ARITH_TEMPLATE.format(problem=p.question) for p in problems]).input_ids
+    answers = tokenizer([p.answer for p in problems], add_special_tokens=False).input_ids
+    width = max(len(q) + len(a) + 1 for q, a in zip(prompts, answers, strict=True))
+    ids = torch.full((len(problems), width), PAD_ID, dtype=torch.long)
+    labels = torch.full((len(problems), width), -100, dtype=torch.long)
+    for row, (q, a) in enumerate(zip(prompts, answers, strict=True)):
+        seq = q + a + [EOS_ID]
+        ids[row, : len(seq)] = torch.tensor(seq)
+        labels[row, len(q) : len(seq)] = torch.tensor(a + [EOS_ID])
+    return ids, labels
+
+
+@torch.no_grad()
+def greedy_accuracy(model: Any, tokenizer: Any, problems: list[Problem]) -> float:
+    """Share of problems whose greedy answer (up to <eos>) is exactly right.
+
+    Prompts are grouped by length, so no padding is needed and each forward is the computation an
+    engine does for a single prompt (positions from 0 at <bos>).
+    """
+    was_training = model.training
+    model.eval()
+    encoded = tokenizer([ARITH_TEMPLATE.format(problem=p.question) for p in problems]).input_ids
+    by_length: dict[int, list[int]] = {}
+    for i, ids in enumerate(encoded):
+        by_length.setdefault(len(ids), []).append(i)
+    correct = 0
+    for rows in by_length.values():
+        seqs = torch.tensor([encoded[i] for i in rows])
+        done = torch.zeros(len(rows), dtype=torch.bool)
+        out = []
+        for _ in range(MAX_ANSWER_TOKENS):
+            logits = model(input_ids=seqs, use_cache=False).logits[:, -1]
+            nxt = logits.argmax(-1)
+            nxt = torch.where(done, torch.full_like(nxt, PAD_ID), nxt)
+            out.append(nxt)
+            done |= nxt == EOS_ID
+            seqs = torch.cat([seqs, nxt[:, None]], dim=1)
+            if bool(done.all()):
+                break
+        generated = torch.stack(out, dim=1).tolist()
+        for row, tokens in zip(rows, generated, strict=True):
+            if EOS_ID not in tokens:
+                continue  # an answer must end; a run-on is wrong
+            text = tokenizer.decode(tokens[: tokens.index(EOS_ID)], skip_special_tokens=False)
+            correct += text == problems[row].answer
+    model.train(was_training)
+    return correct / max(len(problems), 1)
+
+
+def warm_up(model: Any, tokenizer: Any, cfg: Any, *, progress: bool = True) -> dict[str, Any]:
+    """Supervised warm-up until held-out greedy accuracy >= sft_target_acc (or sft_max_steps).
+
+    Returns steps, accuracy reached, whether the target was reached, seconds per step and the
+    accuracy history [(step, acc), ...].
+    """
+    s = settings_of(cfg)
+    task = ArithTask(s["seed"])
+    held_out = task.held_out(EVAL_SIZE)
+    rng = random.Random(s["seed"])
+    optimizer = torch.optim.AdamW(model.parameters(), lr=s["sft_lr"])
+    target, max_steps = s["sft_target_acc"], s["sft_max_steps"]
+    history: list[tuple[int, float]] = []
+    acc, loss_value, step = 0.0, float("nan"), 0
+    train_seconds = 0.0
+    model.train()
+    with _progress(progress, target) as update:
+        while step < max_steps:
+            t0 = time.perf_counter()
+            ids, labels = _sft_batch(tokenizer, task.sample(s["sft_batch_size"], rng))
+            loss = model(input_ids=ids, labels=labels, use_cache=False).loss
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            train_seconds += time.perf_counter() - t0
+            step += 1
+            loss_value = loss.item()
+            if step % EVAL_EVERY == 0 or step == max_steps:
+                acc = greedy_accuracy(model, tokenizer, held_out)
+                history.append((step, acc))
+            update(step, loss_value, acc)
+            if history and history[-1][0] == step and acc >= target:
+                break
+    model.eval()
+    return {
+        "steps": step,
+        "accuracy": acc,
+        "target_reached": acc >= target,
+        "final_loss": round(loss_value, 4),
+        "ms_per_step": round(1000 * train_seconds / max(step, 1), 1),
+        "history": history,
+    }
+
+
+class _progress:
+    """A rich progress bar towards the target accuracy (or nothing when disabled)."""
+
+    def __init__(self, enabled: bool, target: float) -> None:
+        self.enabled, self.target = enabled, target
+        self.bar: Any = None
+
+    def __enter__(self):
+        if not self.enabled:
+            return lambda step, loss, acc: None
+        from rich.console import Console
+        from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+        self.bar = Progress(
+            TextColumn("building tiny model: warm-up"),
+            BarColumn(),
+            TextColumn("acc {task.fields[acc]:.2f}/{task.fields[target]:.2f}"),
+            TextColumn("step {task.fields[step]}  loss {task.fields[loss]:.3f}"),
+            TimeElapsedColumn(),
+            console=Console(stderr=True),
+        )
+        self.bar.start()
+        task = self.bar.add_task(
+            "sft", total=self.target, acc=0.0, target=self.target, step=0, loss=float("nan")
+        )
+
+        def update(step: int, loss: float, acc: float) -> None:
+            self.bar.update(task, completed=min(acc, self.target), acc=acc, step=step, loss=loss)
+
+        return update
+
+    def __exit__(self, *exc: object) -> None:
+        if self.bar is not None:
+            self.bar.stop()

@@ -1,0 +1,34 @@
+"""One tiny model built per test session (a low warm-up target keeps it to seconds)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from bapo_cli.config.schema import TinyModelConfig
+from bapo_cli.tiny import ensure_tiny
+
+
+def _tiny_settings(**overrides) -> TinyModelConfig:
+    """The default shape with the prototype's 0.31M parameters and a test-sized warm-up target."""
+    return TinyModelConfig(**{"intermediate_size": 256, "sft_target_acc": 0.05, **overrides})
+
+
+@pytest.fixture(scope="session")
+def tiny_settings() -> Callable[..., TinyModelConfig]:
+    return _tiny_settings
+
+
+@pytest.fixture(scope="session")
+def tiny_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("bapo-cache")
+
+
+@pytest.fixture(scope="session")
+def tiny_build(tiny_cache: Path) -> tuple[TinyModelConfig, Path, dict]:
+    cfg = _tiny_settings()
+    directory = ensure_tiny(cfg, cache_dir=tiny_cache, progress=False)
+    return cfg, directory, json.loads((directory / "build_info.json").read_text())
