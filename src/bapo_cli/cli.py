@@ -186,19 +186,42 @@ def runs(
         Console().print(f"no runs yet in {uri}")
         return
     table = Table(title=f"runs in {uri}")
-    for column in ("run id", "experiment", "name", "status", "start", "reward/mean"):
+    for column in ("run id", "experiment", "name", "status", "start", *RUN_COLUMNS):
         table.add_column(column)
     for row in rows:
-        reward = row.metrics.get("reward/mean")
-        table.add_row(
-            row.run_id[:12],
-            row.experiment,
-            row.name,
-            row.status,
-            row.start,
-            "" if reward is None else f"{reward:.3f}",
-        )
+        values = [row.metrics.get(key) for key in RUN_COLUMNS]
+        shown = ["" if v is None else f"{v:.3f}" for v in values]
+        table.add_row(row.run_id[:12], row.experiment, row.name, row.status, row.start, *shown)
     Console().print(table)
+
+
+RUN_COLUMNS = ("reward/mean", "actor/entropy", "actor/c_low", "actor/c_high", "staleness/mean")
+
+
+@app.command()
+def ui(
+    uri: str | None = typer.Option(None, help="Tracking URI (default: the train config's)."),
+    port: int = typer.Option(5000, help="Port on 127.0.0.1."),
+) -> None:
+    """Open the MLflow UI on the tracking store (runs `mlflow ui`)."""
+    import subprocess
+
+    if uri is None:
+        uri = _preflight("train", []).config.tracking.uri
+    command = [
+        sys.executable,
+        "-m",
+        "mlflow",
+        "ui",
+        "--backend-store-uri",
+        uri,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+    ]
+    Console().print(f"MLflow UI on http://127.0.0.1:{port} for {uri}  (Ctrl-C stops it)")
+    raise typer.Exit(subprocess.call(command))
 
 
 def _version(value: bool) -> None:

@@ -33,5 +33,6 @@ def test_runs_lists_tracked_runs(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stderr
     assert run.info.run_id[:12] in result.stdout
     assert "grpo-k4" in result.stdout and "0.625" in result.stdout and "FINISHED" in result.stdout
+    assert "actor/entropy" in result.stdout
     other = run_bapo("runs", "--uri", uri, "--experiment", "nope")
     assert "no runs yet" in other.stdout
