@@ -20,14 +20,20 @@ so that drift on a shared machine hits them alike.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import statistics
+import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
-from bapo_cli.algos.bounds import BapoBounds, BoundPath, adaptive_bounds
-from bapo_cli.algos.losses import policy_loss
+if importlib.util.find_spec("bapo_cli") is None:  # run from a checkout without an install
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+from bapo_cli.algos.bounds import BapoBounds, BoundPath, adaptive_bounds  # noqa: E402
+from bapo_cli.algos.losses import policy_loss  # noqa: E402
 
 
 def make_batch(batch: int, seq: int, device: str, p_pos: float = 0.3, stale: float = 0.3):
@@ -124,6 +130,7 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    parser.add_argument("--only", choices=["loss", "search"], default=None, help="one table")
     args = parser.parse_args()
     if args.threads is not None:
         torch.set_num_threads(args.threads)
@@ -134,6 +141,13 @@ def main() -> None:
         f"{tokens / 1e6:.2f}M tokens, median of {args.repeats}"
     )
 
+    if args.only != "search":
+        bench_losses(args)
+    if args.only != "loss":
+        bench_search(args)
+
+
+def bench_losses(args: argparse.Namespace) -> None:
     batch = make_batch(args.batch, args.seq, args.device)
     cases, solved = loss_cases(batch)
     ms = bench(cases, args.repeats, args.device)
@@ -144,6 +158,8 @@ def main() -> None:
         rows,
     )
 
+
+def bench_search(args: argparse.Namespace) -> None:
     rows = []
     scenarios = {  # share of positive sequences decides how far the search walks
         "stops early (45% positive)": dict(p_pos=0.45),

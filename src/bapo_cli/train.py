@@ -488,16 +488,9 @@ class PromptStream:
                 f"than {limit} tokens dropped; {len(self.prompt_set)} kept[/yellow]"
             )
         self.position = 0
-        self._orders: dict[int, list[int]] = {}
 
     def draw(self, count: int) -> list[Any]:
-        n = len(self.prompt_set.items)
-        out = []
-        for pos in range(self.position, self.position + count):
-            epoch, index = divmod(pos, n)
-            if epoch not in self._orders:
-                self._orders = {epoch: self.prompt_set.epoch_order(epoch)}
-            out.append(self.prompt_set.items[self._orders[epoch][index]])
+        out = self.prompt_set.take(self.position, count)
         self.position += count
         return out
 

@@ -68,7 +68,7 @@ def test_load_policy_tiny_is_a_cache_hit(tiny_build, monkeypatch) -> None:
     model, tok = models.load_policy(ModelConfig(tiny=cfg, gradient_checkpointing=True))
     assert model.dtype == torch.float32 and next(model.parameters()).device.type == "cpu"
     checkpointing = getattr(model, "is_activation_checkpointing", None)
-    assert (model.is_gradient_checkpointing if checkpointing is None else checkpointing)
+    assert model.is_gradient_checkpointing if checkpointing is None else checkpointing
     assert not model.training
     assert tok.padding_side == "left" and tok.pad_token_id == tiny.PAD_ID
     assert tok("1+1=").input_ids[0] == tiny.BOS_ID

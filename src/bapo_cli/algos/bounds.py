@@ -190,12 +190,7 @@ class BoundPath:
         a_high, b_high = _check_range("high_range", high_range)
         low_step = _check_step("low_step", low_step)
         high_step = _check_step("high_step", high_step)
-        n_low = _n_steps("low_step", a_low, b_low, low_step)
-        # Literal loop guard: no c_low step possible -> the loop never runs, c_high stays too.
-        n_high = _n_steps("high_step", a_high, b_high, high_step) if n_low > 0 else 0
-        high = tuple(path_value(a_high, i, high_step, b_high) for i in range(n_high + 1))
-        low = tuple(path_value(a_low, j, low_step, b_low) for j in range(n_low + 1))
-        return cls(high_values=high, low_values=low)
+        return _build_path(a_low, b_low, a_high, b_high, low_step, high_step)
 
     @property
     def n_high(self) -> int:
@@ -212,6 +207,20 @@ class BoundPath:
     def point(self, k: int) -> tuple[float, float]:
         """(c_low, c_high) at path point k."""
         return self.low_values[max(0, k - self.n_high)], self.high_values[min(k, self.n_high)]
+
+
+@functools.lru_cache(maxsize=64)
+def _build_path(
+    a_low: float, b_low: float, a_high: float, b_high: float, low_step: float, high_step: float
+) -> BoundPath:
+    """The path for validated numbers; memoised (a pure function of immutable inputs) so that a
+    loss called every micro-batch does not rebuild it."""
+    n_low = _n_steps("low_step", a_low, b_low, low_step)
+    # Literal loop guard: no c_low step possible -> the loop never runs, c_high stays too.
+    n_high = _n_steps("high_step", a_high, b_high, high_step) if n_low > 0 else 0
+    high = tuple(path_value(a_high, i, high_step, b_high) for i in range(n_high + 1))
+    low = tuple(path_value(a_low, j, low_step, b_low) for j in range(n_low + 1))
+    return BoundPath(high_values=high, low_values=low)
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:

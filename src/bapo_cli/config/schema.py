@@ -53,7 +53,7 @@ class TinyModelConfig:
     num_heads: int = opt(2, "attention heads")
     num_kv_heads: int = opt(1, "key/value heads (grouped-query attention)")
     head_dim: int = opt(64, "per-head width; 64 because vLLM's CPU attention rejects 16")
-    intermediate_size: int = opt(512, "MLP width")
+    intermediate_size: int = opt(256, "MLP width")
     sft_target_acc: float = opt(
         0.25, "warm-up SFT stops at this held-out greedy accuracy (weak but non-zero start)"
     )
