@@ -13,8 +13,8 @@
    (r == 1: the one-pass search stops at once, the iterative one walks everything).
 
 Data: stale ratios r = exp(N(0, 0.3)), one advantage per sequence (70% negative unless stated),
-sequence lengths uniform in [T/4, T]. Timings are medians over --repeats, the cases interleaved
-so that drift on a shared machine hits them alike.
+sequence lengths uniform in [T/4, T]. Timings are medians (or minima, --stat min) over
+--repeats, the cases interleaved so that drift on a shared machine hits them alike.
 """
 
 from __future__ import annotations
@@ -74,14 +74,17 @@ def timed(fn: Callable[[], object], device: str) -> float:
     return (time.perf_counter() - t0) * 1e3
 
 
-def bench(cases: dict[str, Callable[[], object]], repeats: int, device: str) -> dict[str, float]:
+def bench(
+    cases: dict[str, Callable[[], object]], repeats: int, device: str, stat: str = "median"
+) -> dict[str, float]:
     for fn in cases.values():  # warm-up
         fn()
     times: dict[str, list[float]] = {name: [] for name in cases}
     for _ in range(repeats):
         for name, fn in cases.items():
             times[name].append(timed(fn, device))
-    return {name: statistics.median(ts) for name, ts in times.items()}
+    pick = min if stat == "min" else statistics.median
+    return {name: pick(ts) for name, ts in times.items()}
 
 
 def loss_cases(batch):
@@ -131,6 +134,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     parser.add_argument("--only", choices=["loss", "search"], default=None, help="one table")
+    parser.add_argument(
+        "--stat", choices=["median", "min"], default="median", help="min: best of --repeats"
+    )
     args = parser.parse_args()
     if args.threads is not None:
         torch.set_num_threads(args.threads)
@@ -138,7 +144,7 @@ def main() -> None:
     where = args.device if args.device != "cpu" else f"cpu, {torch.get_num_threads()} threads"
     print(
         f"torch {torch.__version__}, {where}, float32, [{args.batch}, {args.seq}] = "
-        f"{tokens / 1e6:.2f}M tokens, median of {args.repeats}"
+        f"{tokens / 1e6:.2f}M tokens, {args.stat} of {args.repeats}"
     )
 
     if args.only != "search":
@@ -150,7 +156,7 @@ def main() -> None:
 def bench_losses(args: argparse.Namespace) -> None:
     batch = make_batch(args.batch, args.seq, args.device)
     cases, solved = loss_cases(batch)
-    ms = bench(cases, args.repeats, args.device)
+    ms = bench(cases, args.repeats, args.device, args.stat)
     rows = [[name, f"{t:.1f}", f"{t / ms['ppo']:.2f}x"] for name, t in ms.items()]
     print_table(
         f"Loss forward + backward (bapo walked {solved['search_steps']:.0f} steps)",
@@ -182,6 +188,7 @@ def bench_search(args: argparse.Namespace) -> None:
             },
             args.repeats,
             args.device,
+            args.stat,
         )
         rows.append(
             [

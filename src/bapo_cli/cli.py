@@ -66,11 +66,16 @@ def _launch(config_name: str, overrides: list[str] | None, multirun: bool, task)
     if multirun:
         jobs = "a sampled number of" if checked.num_jobs is None else str(checked.num_jobs)
         Console().print(f"[bold]bapo {config_name}[/bold]: {jobs} jobs, every config validated")
-    hydra_runner.run(
-        (["--multirun"] if multirun else []) + checked.overrides,
-        config_name=config_name,
-        task_function=task,
-    )
+    if not (multirun and config_name == "train" and checked.config.tracking.backend == "mlflow"):
+        hydra_runner.run(
+            (["--multirun"] if multirun else []) + checked.overrides,
+            config_name=config_name,
+            task_function=task,
+        )
+        return
+    from bapo_cli import sweep
+
+    sweep.run_grouped(checked, list(overrides or []), config_name, task)
 
 
 @app.command(

@@ -31,6 +31,26 @@ def _run_dir() -> Path:
     return Path(HydraConfig.get().runtime.output_dir)
 
 
+def _job_tags() -> dict[str, str]:
+    """For a multirun job: its overrides, sweep dir, job number and the sweep's parent run."""
+    import os
+
+    from hydra.types import RunMode
+
+    from bapo_cli import tracking
+
+    hydra_cfg = HydraConfig.get()
+    if hydra_cfg.mode != RunMode.MULTIRUN:
+        return {}
+    overrides = [o for o in hydra_cfg.overrides.task if not o.startswith("paths.output_root=")]
+    return tracking.job_tags(
+        overrides,
+        str(Path(hydra_cfg.sweep.dir).resolve()),
+        hydra_cfg.job.num,
+        os.environ.get(tracking.PARENT_RUN_ENV),
+    )
+
+
 def _user_errors() -> tuple[type[Exception], ...]:
     """Errors whose message is the whole story (bad path, bad data, bad checkpoint)."""
     from bapo_cli.checkpoint import CheckpointError
@@ -49,7 +69,7 @@ def train_job(cfg: DictConfig) -> float:
     console = Console()
     plan.show("bapo train", plan.train_rows(config, run_dir), console)
     try:
-        result = train(config, run_dir, console)
+        result = train(config, run_dir, console, tags=_job_tags())
     except _user_errors() as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(USAGE_EXIT_CODE)

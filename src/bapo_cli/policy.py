@@ -77,19 +77,43 @@ def collate(samples: Sequence[Sample], pad_id: int, device: torch.device) -> Mic
     )
 
 
+class ResponseLogits(torch.nn.Module):
+    """The policy as one module whose forward returns the logits at response positions.
+
+    This is what DistributedDataParallel wraps (its gradient hooks need the forward to go through
+    the wrapper); a causal LM whose logits are `lm_head(hidden)` (Qwen, Llama, Mistral, ...)."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids: Tensor, attention_mask: Tensor, gather_pos: Tensor) -> Tensor:
+        decoder = self.model.get_decoder()
+        hidden = decoder(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+        index = gather_pos.unsqueeze(-1).expand(-1, -1, hidden.shape[-1])
+        return self.model.get_output_embeddings()(hidden.gather(1, index))  # [b, R, V]
+
+
+def scorer_of(model: torch.nn.Module) -> torch.nn.Module:
+    """A HF causal LM → ResponseLogits; a ResponseLogits (or its DDP wrapper) as it is."""
+    if isinstance(model, ResponseLogits) or isinstance(
+        getattr(model, "module", None), ResponseLogits
+    ):
+        return model
+    return ResponseLogits(model)
+
+
 def token_logprobs(
     model: torch.nn.Module, mb: MicroBatch, temperature: float, *, entropy: bool = False
 ) -> tuple[Tensor, Tensor | None]:
     """log π(y_t | y_<t) of every response token, [b, R] float32 (and entropy, no grad).
 
-    Logits are divided by the sampling temperature, so the log-probs are those of the
-    distribution the tokens were sampled from (top-p/top-k truncation aside).
+    `model` is a HF causal LM or its `ResponseLogits` (possibly wrapped in DDP). Logits are divided
+    by the sampling temperature, so the log-probs are those of the distribution the tokens were
+    sampled from (top-p/top-k truncation aside).
     """
-    decoder = model.get_decoder()
-    head = model.get_output_embeddings()
-    hidden = decoder(input_ids=mb.input_ids, attention_mask=mb.attention_mask).last_hidden_state
-    index = mb.gather_pos.unsqueeze(-1).expand(-1, -1, hidden.shape[-1])
-    logits = head(hidden.gather(1, index)).float()  # [b, R, V]
+    scorer = scorer_of(model)
+    logits = scorer(mb.input_ids, mb.attention_mask, mb.gather_pos).float()  # [b, R, V]
     if temperature > 0 and temperature != 1.0:
         logits = logits / temperature
     logp_all = torch.log_softmax(logits, dim=-1)

@@ -214,6 +214,73 @@ def ensure_experiment(client: Any, name: str) -> str:
         return found.experiment_id
 
 
+# ------------------------------------------------------------------------------------- sweeps
+# A multirun is one parent MLflow run (created by the launching process) with one child run per
+# job. The parent's id reaches every job through this environment variable, which the CLI sets
+# with `hydra.job.env_set`, so it works for every launcher (in-process, joblib workers, SLURM).
+PARENT_RUN_ENV = "BAPO_PARENT_RUN_ID"
+PARENT_TAG = "mlflow.parentRunId"  # what the MLflow UI nests runs by
+OVERRIDES_TAG = "bapo.overrides"  # the job's Hydra overrides, space-separated
+SWEEP_DIR_TAG = "bapo.sweep_dir"  # absolute sweep directory (parent and children)
+JOB_NUM_TAG = "bapo.job_num"
+ROLE_TAG = "bapo.role"  # "sweep" on a parent run
+
+
+def job_tags(
+    overrides: list[str], sweep_dir: str | None, job_num: int | None, parent_run_id: str | None
+) -> dict[str, str]:
+    """Tags that place one job's run in its sweep (the job's overrides label it in reports)."""
+    tags = {OVERRIDES_TAG: " ".join(overrides)}
+    if sweep_dir is not None:
+        tags[SWEEP_DIR_TAG] = sweep_dir
+    if job_num is not None:
+        tags[JOB_NUM_TAG] = str(job_num)
+    if parent_run_id:
+        tags[PARENT_TAG] = parent_run_id
+    return tags
+
+
+def start_parent_run(uri: str, experiment: str, run_name: str, tags: dict[str, str]) -> str:
+    """Create the store, the experiment and the sweep's parent run, before any job starts.
+
+    Jobs that start at once on a fresh SQLite store race in MLflow's schema migration and fail;
+    once this process has created the store and the experiment they only add rows.
+    """
+    from mlflow.tracking import MlflowClient
+
+    path = sqlite_path(uri)
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    client = MlflowClient(tracking_uri=uri)
+    exp_id = ensure_experiment(client, experiment)
+    run = client.create_run(exp_id, run_name=run_name, tags={ROLE_TAG: "sweep", **tags})
+    return run.info.run_id
+
+
+def finish_parent_run(uri: str, run_id: str, status: str = "FINISHED") -> str | None:
+    """Close the parent run; tag it with the sweep dir its children recorded (returned)."""
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=uri)
+    sweep_dirs = {r.data.tags.get(SWEEP_DIR_TAG) for r in child_runs(client, run_id)} - {None}
+    sweep_dir = sorted(sweep_dirs)[0] if sweep_dirs else None
+    if sweep_dir is not None:
+        client.set_tag(run_id, SWEEP_DIR_TAG, sweep_dir)
+    client.set_terminated(run_id, status=status)
+    return sweep_dir
+
+
+def child_runs(client: Any, parent_run_id: str) -> list[Any]:
+    """The runs whose `mlflow.parentRunId` is this run, by job number."""
+    parent = client.get_run(parent_run_id)
+    runs = client.search_runs(
+        [parent.info.experiment_id],
+        filter_string=f"tags.`{PARENT_TAG}` = '{parent_run_id}'",
+        max_results=10_000,
+    )
+    return sorted(runs, key=lambda r: int(r.data.tags.get(JOB_NUM_TAG, "0") or 0))
+
+
 def make_tracker(backend: str, uri: str, experiment: str, **kwargs: Any) -> Tracker:
     if backend == "none":
         return NullTracker()

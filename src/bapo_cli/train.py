@@ -28,16 +28,22 @@ import transformers
 from omegaconf import OmegaConf
 from rich.console import Console
 
-from bapo_cli import checkpoint, evaluate, models
+from bapo_cli import checkpoint, distributed, evaluate, models
 from bapo_cli.algos import advantages as adv_registry
 from bapo_cli.config.schema import TrainConfig
-from bapo_cli.policy import MicroBatch, collate, disable_dropout, record_behaviour
+from bapo_cli.policy import (
+    MicroBatch,
+    ResponseLogits,
+    collate,
+    disable_dropout,
+    record_behaviour,
+)
 from bapo_cli.progress import TrainProgress, summary_table
 from bapo_cli.rollout.base import Sample, SamplingParams, make_engine, resolve_engine_name
 from bapo_cli.rollout.collect import Collector
 from bapo_cli.staleness.regimes import Regime, make_regime
 from bapo_cli.tracking import flatten, make_tracker
-from bapo_cli.update import LossSpec, loss_spec, optimizer_update
+from bapo_cli.update import LossSpec, loss_spec, optimizer_update, tis_weights
 
 
 class TrainingError(RuntimeError):
@@ -64,14 +70,25 @@ class TrainResult:
     last_batch: list[Sample] = field(default_factory=list)  # the samples of the last step
 
 
-def train(cfg: TrainConfig, run_dir: Path, console: Console | None = None) -> TrainResult:
+def train(
+    cfg: TrainConfig,
+    run_dir: Path,
+    console: Console | None = None,
+    *,
+    tags: dict[str, str] | None = None,  # extra run tags (a sweep job's parent, overrides)
+) -> TrainResult:
+    ctx = distributed.from_env()  # one process unless started by torchrun
     console = console or Console()
+    if not ctx.is_main:
+        console = Console(quiet=True)
     transformers.utils.logging.disable_progress_bar()  # ours is the one to watch
+    run_dir = Path(ctx.broadcast(str(run_dir)))  # every rank writes under rank 0's run dir
     run_dir.mkdir(parents=True, exist_ok=True)
     ckpt_root = run_dir / "checkpoints"
     resume_from = checkpoint.latest(ckpt_root) if cfg.trainer.resume else None
     checkpoint.seed_everything(cfg.trainer.seed)
     torch.use_deterministic_algorithms(True, warn_only=True)
+    _check_parallel(cfg, ctx)
 
     # --- model, data, engine -------------------------------------------------------------
     # on resume the policy comes from the checkpoint (HF format), everything else from the config
@@ -80,6 +97,8 @@ def train(cfg: TrainConfig, run_dir: Path, console: Console | None = None) -> Tr
     disable_dropout(model)
     model.train()
     device = next(model.parameters()).device
+    scorer = ctx.wrap(ResponseLogits(model))  # what computes log-probs (DDP under torchrun)
+    checkpoint.seed_everything(cfg.trainer.seed + ctx.rank)  # ranks sample differently
     ref_model = _reference(model, cfg)
     prompts = PromptStream(cfg, tokenizer, console)
     engine_name = resolve_engine_name(cfg.rollout.name)
@@ -111,7 +130,7 @@ def train(cfg: TrainConfig, run_dir: Path, console: Console | None = None) -> Tr
     def score(samples: list[Sample]) -> None:
         for mini in layout(samples):
             for mb in mini:
-                record_behaviour(model, mb, cfg.rollout.temperature)
+                record_behaviour(scorer, mb, cfg.rollout.temperature)
 
     collector = Collector(
         engine=engine,
@@ -127,7 +146,7 @@ def train(cfg: TrainConfig, run_dir: Path, console: Console | None = None) -> Tr
         k=cfg.staleness.k,
         epochs=cfg.staleness.ppo_epochs,
         collector=collector,
-        draw=prompts.draw,
+        draw=lambda count: ctx.shard(prompts.draw(count)),  # whole groups on one rank
         prompts_per_step=cfg.trainer.prompts_per_step,
     )
 
@@ -140,34 +159,50 @@ def train(cfg: TrainConfig, run_dir: Path, console: Console | None = None) -> Tr
         optimizer, _lr_lambda(cfg.trainer.warmup_steps, total_updates, cfg.trainer.lr_schedule)
     )
 
+    def rank_state() -> dict[str, Any]:
+        """What differs between ranks: sampling RNG, data position, the regime's buffers."""
+        return {
+            "regime": regime.state_dict(),
+            "prompts": prompts.state_dict(),
+            "next_group": collector.next_group,
+            "rng": checkpoint.rng_state(),
+        }
+
     # --- tracking and resume --------------------------------------------------------------
     state = TrainState()
     run_id = None
     if resume_from is not None:
         saved = checkpoint.load_state(resume_from)
+        ranks = saved["ranks"]
+        if len(ranks) != ctx.world_size:
+            raise checkpoint.CheckpointError(
+                f"checkpoint {resume_from} was written by {len(ranks)} ranks; resume with as many "
+                f"(this run has {ctx.world_size})"
+            )
+        mine = ranks[ctx.rank]
         optimizer.load_state_dict(saved["optimizer"])
         scheduler.load_state_dict(saved["scheduler"])
-        regime.load_state_dict(saved["regime"])
-        prompts.load_state_dict(saved["prompts"])
-        collector.next_group = saved["next_group"]
+        regime.load_state_dict(mine["regime"])
+        prompts.load_state_dict(mine["prompts"])
+        collector.next_group = mine["next_group"]
         state = TrainState(**saved["state"])
         run_id = saved.get("run_id")
-        checkpoint.set_rng_state(saved["rng"])
+        checkpoint.set_rng_state(mine["rng"])
         engine.sync_weights(model, state.version)  # tokens sampled from here carry this version
         console.print(f"resumed from {resume_from} at step {state.step}")
     tracker = make_tracker(
-        cfg.tracking.backend,
+        cfg.tracking.backend if ctx.is_main else "none",
         cfg.tracking.uri,
         cfg.tracking.experiment,
         run_name=cfg.tracking.run_name or _run_name(cfg),
         run_id=run_id,
-        tags=_tags(cfg, engine_name),
+        tags={**_tags(cfg, engine_name), **(tags or {})},
     )
     if resume_from is None:
         tracker.log_params(flatten(cfg))
         tracker.log_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)), "config.yaml")
     samples_file = run_dir / "samples.jsonl"
-    val_sets = evaluate.validation_sets(cfg) if cfg.trainer.val_every else []
+    val_sets = evaluate.validation_sets(cfg) if cfg.trainer.val_every and ctx.is_main else []
 
     def validation() -> dict[str, float]:
         return evaluate.validate(
@@ -193,7 +228,7 @@ def train(cfg: TrainConfig, run_dir: Path, console: Console | None = None) -> Tr
                 metrics, updates, batch = _train_step(
                     cfg,
                     state,
-                    model,
+                    scorer,
                     ref_model,
                     optimizer,
                     scheduler,
@@ -202,8 +237,10 @@ def train(cfg: TrainConfig, run_dir: Path, console: Console | None = None) -> Tr
                     spec,
                     layout,
                     collector,
-                    samples_file,
+                    samples_file if ctx.is_main else None,
+                    ctx,
                 )
+                metrics = ctx.mean_metrics(metrics)
                 all_updates += updates
                 state.step += 1
                 at_end = state.step == cfg.trainer.max_steps
@@ -215,36 +252,54 @@ def train(cfg: TrainConfig, run_dir: Path, console: Console | None = None) -> Tr
                 progress.update(state.step, metrics)
                 if at_end or (cfg.trainer.save_every and state.step % cfg.trainer.save_every == 0):
                     tracker.flush()
-                    last_ckpt = checkpoint.save(
-                        ckpt_root,
-                        state.step,
-                        model,
-                        tokenizer,
-                        {
-                            "optimizer": optimizer.state_dict(),
-                            "scheduler": scheduler.state_dict(),
-                            "regime": regime.state_dict(),
-                            "prompts": prompts.state_dict(),
-                            "next_group": collector.next_group,
-                            "state": state.__dict__,
-                            "run_id": tracker.run_id,
-                            "rng": checkpoint.rng_state(),
-                        },
-                    )
+                    ranks = ctx.gather(rank_state())
+                    if ctx.is_main:
+                        last_ckpt = checkpoint.save(
+                            ckpt_root,
+                            state.step,
+                            model,
+                            tokenizer,
+                            {
+                                "optimizer": optimizer.state_dict(),
+                                "scheduler": scheduler.state_dict(),
+                                "state": state.__dict__,
+                                "run_id": tracker.run_id,
+                                "ranks": ranks,
+                            },
+                        )
+                    ctx.barrier()
         status = "FINISHED"
     finally:
-        if samples_file.exists():
+        if samples_file.exists() and ctx.is_main:
             tracker.log_artifact(samples_file)
         tracker.close(status)
         engine.close()
+        distributed.shutdown(ctx)
     console.print(summary_table(state.history, run_dir, cfg.tracking.uri, tracker.run_id))
     return TrainResult(run_dir, tracker.run_id, state.history, last_ckpt, all_updates, batch)
+
+
+def _check_parallel(cfg: TrainConfig, ctx: distributed.DistContext) -> None:
+    """What data parallelism needs: equal shares of whole prompt groups on every rank."""
+    if not ctx.enabled:
+        return
+    if cfg.staleness.regime == "partial":
+        raise TrainingError(
+            "staleness.regime=partial is not supported with data parallelism yet (ranks would "
+            "finish different numbers of groups per step); use one process"
+        )
+    parts = ctx.world_size * (max(cfg.staleness.k, 1) if cfg.staleness.regime == "reuse" else 1)
+    if cfg.trainer.prompts_per_step % parts:
+        raise TrainingError(
+            f"trainer.prompts_per_step={cfg.trainer.prompts_per_step} must split into "
+            f"{ctx.world_size} ranks × mini-batches of whole prompt groups (a multiple of {parts})"
+        )
 
 
 def _train_step(
     cfg,
     state,
-    model,
+    scorer,
     ref_model,
     optimizer,
     scheduler,
@@ -253,7 +308,8 @@ def _train_step(
     spec: LossSpec,
     layout,
     collector: Collector,
-    samples_file: Path,
+    samples_file: Path | None,
+    ctx: distributed.DistContext,
 ) -> tuple[dict[str, float], list[dict[str, float]], list[Sample]]:
     """Rollouts → rewards → advantages → updates → weight sync; returns the step's metrics, the
     per-update metrics and the samples trained on."""
@@ -279,13 +335,15 @@ def _train_step(
             mb.advantages = torch.tensor(
                 [s.advantage for s in mb.samples], dtype=torch.float32, device=mb.mask.device
             )
+            if cfg.rollout.tis_cap is not None:  # engine/trainer mismatch: per-token weights
+                mb.advantages = mb.advantages[:, None] * tis_weights(mb, cfg.rollout.tis_cap)
             if cfg.trainer.old_logprob == "recompute":  # decoupled PPO: pi_old at first use
                 key = (i % len(minis)) * 100_000 + j
                 if key not in recomputed:
-                    recomputed[key] = _recompute(model, mb, cfg.rollout.temperature)
+                    recomputed[key] = _recompute(scorer, mb, cfg.rollout.temperature)
                 mb.old_log_prob = recomputed[key]
         result = optimizer_update(
-            model,
+            scorer,
             optimizer,
             micro,
             spec,
@@ -293,6 +351,7 @@ def _train_step(
             grad_clip=cfg.trainer.grad_clip,
             version=state.version,
             ref_model=ref_model,
+            dist_ctx=ctx,
         )
         if result.skipped:
             state.skipped_in_a_row += 1
@@ -309,9 +368,10 @@ def _train_step(
         update_metrics.append(result.metrics)
         trained_tokens += result.tokens
     train_s = time.perf_counter() - t1
-    sync_s = engine.sync_weights(model, state.version)
+    sync_s = engine.sync_weights(getattr(scorer, "module", scorer).model, state.version)
     step_s = time.perf_counter() - t0
-    _write_samples(samples_file, state.step + 1, batch, cfg.trainer.log_samples)
+    if samples_file is not None:
+        _write_samples(samples_file, state.step + 1, batch, cfg.trainer.log_samples)
     metrics = _step_metrics(
         batch,
         adv_stats,
@@ -325,6 +385,7 @@ def _train_step(
         trained_tokens=trained_tokens,
         is_bapo=spec.name == "bapo",
     )
+    metrics.update(collector.take_mismatch())  # rollout/logprob_abs_diff_* (engine log-probs)
     return metrics, update_metrics, batch
 
 

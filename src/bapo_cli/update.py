@@ -22,6 +22,7 @@ import torch
 
 from bapo_cli.algos import diagnostics, losses
 from bapo_cli.algos.bounds import BapoBounds, BoundAccumulator
+from bapo_cli.distributed import DistContext
 from bapo_cli.policy import MicroBatch, token_logprobs
 
 Tensor = torch.Tensor
@@ -66,9 +67,14 @@ def loss_spec(algo: Any) -> LossSpec:
 
 
 def solve_bounds(
-    model: torch.nn.Module, micro: Sequence[MicroBatch], spec: LossSpec, temperature: float
+    model: torch.nn.Module,
+    micro: Sequence[MicroBatch],
+    spec: LossSpec,
+    temperature: float,
+    group: Any = None,
 ) -> BapoBounds:
-    """BAPO's per-update search over every token of the mini-batch (one extra no-grad forward)."""
+    """BAPO's per-update search over every token of the mini-batch (one extra no-grad forward),
+    summed over the ranks of `group`."""
     acc = BoundAccumulator(
         low_range=spec.search["low_range"],
         high_range=spec.search["high_range"],
@@ -79,7 +85,7 @@ def solve_bounds(
         for mb in micro:
             logp, _ = token_logprobs(model, mb, temperature)
             acc.add(**_search_inputs(logp, mb, spec))
-    return acc.solve(spec.search["rho0"])
+    return acc.solve(spec.search["rho0"], group=group)
 
 
 def _search_inputs(logp: Tensor, mb: MicroBatch, spec: LossSpec) -> dict[str, Tensor]:
@@ -110,59 +116,71 @@ def optimizer_update(
     grad_clip: float | None,
     version: int,
     ref_model: torch.nn.Module | None = None,
+    dist_ctx: DistContext | None = None,
 ) -> UpdateResult:
-    """Accumulate gradients over the micro-batches, clip, step. Skips a non-finite step."""
+    """Accumulate gradients over the micro-batches, clip, step. Skips a non-finite step.
+
+    `model` is the policy's `ResponseLogits` (wrapped in DDP under data parallelism: then the
+    normalisers and BAPO's search cover all ranks' tokens, see `bapo_cli.distributed`)."""
+    ctx = dist_ctx or DistContext()
     tokens = sum(mb.num_tokens for mb in micro)
     seqs = sum(len(mb.samples) for mb in micro)
+    all_tokens, all_seqs = ctx.sum([float(tokens), float(seqs)])
+    (norm_len,) = ctx.max([float(max(mb.mask.shape[1] for mb in micro))])
+    w = float(ctx.world_size)  # DDP averages gradients over ranks: divide by all tokens / W
     norm = {
-        "global_tokens": float(max(tokens, 1)),
-        "global_seqs": float(max(seqs, 1)),
-        "norm_len": float(max(mb.mask.shape[1] for mb in micro)),
+        "global_tokens": max(all_tokens, 1.0) / w,
+        "global_seqs": max(all_seqs, 1.0) / w,
+        "norm_len": norm_len,
     }
     per_step_search = spec.name == "bapo" and spec.bound_scope == "minibatch"
     bounds: BapoBounds | None = None
     if per_step_search and len(micro) > 1:
-        bounds = solve_bounds(model, micro, spec, temperature)
+        bounds = solve_bounds(model, micro, spec, temperature, ctx.group)
     weights: list[tuple[dict[str, Any], float]] = []
     finite = True
-    for mb in micro:
-        logp, entropy = token_logprobs(model, mb, temperature, entropy=True)
-        params = dict(spec.params)
-        if per_step_search:
-            if bounds is None:  # the mini-batch is this one micro-batch
-                bounds = _single_pass_bounds(logp, mb, spec)
-            params["bounds"] = bounds
-        loss, m = losses.policy_loss(
-            spec.name, logp, mb.old_log_prob, mb.advantages, mb.mask, **params, **norm
-        )
-        if spec.kl_coef > 0 and ref_model is not None:
-            with torch.no_grad():
-                ref_logp, _ = token_logprobs(ref_model, mb, temperature)
-            kl = _k3(logp, ref_logp, mb.mask)
-            loss = loss + spec.kl_coef * kl / norm["global_tokens"]
-            m["ref_kl"] = kl.detach() / max(mb.num_tokens, 1)
-        if not torch.isfinite(loss):
-            finite = False
-            break
-        loss.backward()
-        c_low, c_high = _bounds_used(spec, bounds, m)
-        m["c_low"], m["c_high"] = c_low, c_high
-        m["entropy"] = torch.where(mb.mask, entropy, 0.0).sum() / max(mb.num_tokens, 1)
-        quad = diagnostics.quadrant_table(
-            logp,
-            mb.old_log_prob,
-            mb.advantages,
-            mb.mask,
-            c_low=c_low,
-            c_high=c_high,
-            dual_clip=spec.params["dual_clip"],
-        )
-        m.update({f"quadrant_{k}": v for k, v in quad.items()})
-        stale = torch.where(mb.mask, (version - mb.versions).float(), 0.0)
-        m["staleness_sum"], m["staleness_max"] = stale.sum(), stale.max()
-        weights.append((m, float(mb.num_tokens)))
+    for i, mb in enumerate(micro):
+        with ctx.no_sync(model, last=i == len(micro) - 1):
+            logp, entropy = token_logprobs(model, mb, temperature, entropy=True)
+            params = dict(spec.params)
+            if per_step_search:
+                if bounds is None:  # the mini-batch is this one micro-batch
+                    bounds = _single_pass_bounds(logp, mb, spec, ctx.group)
+                params["bounds"] = bounds
+            elif spec.name == "bapo":  # per-micro-batch approximation, still over all ranks
+                params["group"] = ctx.group
+            loss, m = losses.policy_loss(
+                spec.name, logp, mb.old_log_prob, mb.advantages, mb.mask, **params, **norm
+            )
+            if spec.kl_coef > 0 and ref_model is not None:
+                with torch.no_grad():
+                    ref_logp, _ = token_logprobs(ref_model, mb, temperature)
+                kl = _k3(logp, ref_logp, mb.mask)
+                loss = loss + spec.kl_coef * kl / norm["global_tokens"]
+                m["ref_kl"] = kl.detach() / max(mb.num_tokens, 1)
+            if not torch.isfinite(loss):  # keep going (DDP ranks must stay in step), skip below
+                finite = False
+                loss = (logp * 0.0).sum()
+            loss.backward()
+            c_low, c_high = _bounds_used(spec, bounds, m)
+            m["c_low"], m["c_high"] = c_low, c_high
+            m["entropy"] = torch.where(mb.mask, entropy, 0.0).sum() / max(mb.num_tokens, 1)
+            quad = diagnostics.quadrant_table(
+                logp,
+                mb.old_log_prob,
+                mb.advantages,
+                mb.mask,
+                c_low=c_low,
+                c_high=c_high,
+                dual_clip=spec.params["dual_clip"],
+            )
+            m.update({f"quadrant_{k}": v for k, v in quad.items()})
+            stale = torch.where(mb.mask, (version - mb.versions).float(), 0.0)
+            m["staleness_sum"], m["staleness_max"] = stale.sum(), stale.max()
+            weights.append((m, float(mb.num_tokens)))
     grad_norm = _grad_norm(model, grad_clip)
-    skipped = not finite or not math.isfinite(grad_norm)
+    (all_finite,) = ctx.max([0.0 if finite else 1.0])  # any rank non-finite → every rank skips
+    skipped = all_finite > 0 or not math.isfinite(grad_norm)
     if not skipped:
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
@@ -188,7 +206,9 @@ def _bounds_used(
     return float(m["c_low"]), float(m["c_high"])  # per-micro-batch search
 
 
-def _single_pass_bounds(logp: Tensor, mb: MicroBatch, spec: LossSpec) -> BapoBounds:
+def _single_pass_bounds(
+    logp: Tensor, mb: MicroBatch, spec: LossSpec, group: Any = None
+) -> BapoBounds:
     """One micro-batch is the whole mini-batch: search on the forward we back-propagate."""
     acc = BoundAccumulator(
         low_range=spec.search["low_range"],
@@ -197,7 +217,30 @@ def _single_pass_bounds(logp: Tensor, mb: MicroBatch, spec: LossSpec) -> BapoBou
         high_step=spec.search["high_step"],
     )
     acc.add(**_search_inputs(logp, mb, spec))
-    return acc.solve(spec.search["rho0"])
+    return acc.solve(spec.search["rho0"], group=group)
+
+
+def tis_weights(mb: MicroBatch, cap: float) -> Tensor:
+    """Truncated importance sampling for the train/rollout mismatch (`rollout.tis_cap`), [b, R].
+
+    An engine such as vLLM samples from π_engine, its own kernels' version of the policy; the loss
+    takes the trainer's log-probs of the same weights, π_trainer_old, as the behaviour policy. The
+    weight min(π_trainer_old(y) / π_engine(y), cap) per token, detached, corrects the gradient
+    for sampling from π_engine instead (the numerical mismatch, not policy staleness, which the
+    clipped ratio π_θ / π_trainer_old handles). Truncation bounds the variance. Tokens without an
+    engine log-prob (the transformers engine) get 1. The caller multiplies the advantages by it:
+    a positive factor per token leaves the side a ratio clips on unchanged.
+    """
+    b, width = mb.mask.shape
+    trainer = torch.zeros((b, width), dtype=torch.float32)
+    engine = torch.zeros((b, width), dtype=torch.float32)
+    for i, s in enumerate(mb.samples):
+        known = min(len(s.engine_logprobs), len(s.logprobs), width)
+        if known:
+            trainer[i, :known] = torch.tensor(s.logprobs[:known], dtype=torch.float32)
+            engine[i, :known] = torch.tensor(s.engine_logprobs[:known], dtype=torch.float32)
+    weights = torch.exp(trainer - engine).clamp(max=cap).to(mb.mask.device)
+    return torch.where(mb.mask, weights, 1.0)
 
 
 def _k3(logp: Tensor, ref_logp: Tensor, mask: Tensor) -> Tensor:

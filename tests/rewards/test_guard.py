@@ -160,6 +160,7 @@ def test_child_ends_itself_when_the_parent_dies_mid_request(
     time.sleep(0.2)  # the sleep request is running
     parent.kill()  # SIGKILL: no finalizer runs, nothing closes the request down
     parent.wait()
+    parent.stdout.close()
     deadline = time.monotonic() + 1.0 + BACKSTOP_EXTRA_S + 5
     while time.monotonic() < deadline and not _is_gone(child):
         time.sleep(0.1)

@@ -118,7 +118,8 @@ def _check_range(name: str, value: Any) -> tuple[float, float]:
     return lo, hi
 
 
-def _number(name: str, value: Any) -> float:
+def number(name: str, value: Any) -> float:
+    """float(value), or a ValueError naming the parameter."""
     try:
         return float(value)
     except (TypeError, ValueError):
@@ -126,20 +127,15 @@ def _number(name: str, value: Any) -> float:
 
 
 def _check_step(name: str, value: Any) -> float:
-    step = _number(name, value)
+    step = number(name, value)
     if not (0.0 < step < math.inf):
         raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
     return step
 
 
-def number(name: str, value: Any) -> float:
-    """float(value), or a ValueError naming the parameter."""
-    return _number(name, value)
-
-
 def check_rho0(rho0: Any) -> float:
     """Validate the target share; raise a ValueError naming `rho0`."""
-    value = _number("rho0", rho0)
+    value = number("rho0", rho0)
     if not (0.0 <= value <= 1.0):
         raise ValueError(f"rho0 must lie in [0, 1], got {rho0!r}")
     return value
@@ -423,7 +419,7 @@ class BoundAccumulator:
         dual_clip: float | None = None,
     ) -> None:
         self.path = BoundPath.build(low_range, high_range, low_step, high_step)
-        dual = None if dual_clip is None else _number("dual_clip", dual_clip)
+        dual = None if dual_clip is None else number("dual_clip", dual_clip)
         if dual is not None and not (self.path.low_values[-1] < dual < math.inf):
             raise ValueError(
                 f"dual_clip must be finite and > the largest c_low "

@@ -25,9 +25,16 @@ does not poison the step. Shapes: [B, T] (advantages may be [B], one per sequenc
 with agg="token-mean". Gradient-accumulation normalisers (`global_tokens`, `global_seqs`) make
 the micro-batch losses sum to the exact mini-batch loss.
 
-Returns ``(loss, metrics)``: metrics are detached 0-dim tensors (no host sync), plus Python
-floats for BAPO's bounds: clipfrac_low, clipfrac_high, ppo_kl, ratio_mean, ratio_max, pos_mass,
-neg_mass, nonfinite_tokens [, c_low, c_high, rho_before, rho, search_steps].
+Returns ``(loss, metrics)``; metrics are detached 0-dim tensors (no host sync), averaged over
+the valid tokens unless said otherwise:
+
+    clipfrac_low / clipfrac_high  A < 0 with r <= c_low / A > 0 with r >= c_high (dual-clipped
+                                  negatives are in neither)
+    ppo_kl                        mean of log pi_rollout - log pi_theta
+    ratio_mean, ratio_max         of r_t
+    pos_mass, neg_mass            r |A| of the active positive / negative tokens, per valid token
+    nonfinite_tokens              count of masked-out non-finite tokens
+    c_low, c_high, rho_before, rho, search_steps   bapo only, Python floats from the search
 """
 
 from __future__ import annotations

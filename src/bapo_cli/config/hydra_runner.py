@@ -95,6 +95,28 @@ def compose(config_name: str, overrides: list[str]) -> Any:
         return hydra_compose(config_name=config_name, overrides=overrides)
 
 
+def sweeper_params(config_name: str, overrides: list[str]) -> list[str] | None:
+    """The sweep a config itself declares (`hydra.sweeper.params`, e.g. an experiment preset), as
+    overrides to put before the command line's, the way Hydra's basic sweeper reads them.
+
+    None when the composed sweeper is not the basic one (Optuna samples its own params).
+    `overrides` must hold no sweep syntax (the fixed part of the command line).
+    """
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    from bapo_cli.config import schema
+
+    schema.register()
+    with initialize_config_dir(config_dir=str(config_dir()), version_base=VERSION_BASE):
+        cfg = hydra_compose(config_name=config_name, overrides=overrides, return_hydra_config=True)
+    sweeper = cfg.hydra.sweeper
+    if not str(sweeper.get("_target_", "")).endswith(".BasicSweeper"):
+        return None
+    params = sweeper.get("params") or {}
+    return [f"{key}={value}" for key, value in params.items()]
+
+
 def expand_sweep(overrides: list[str]) -> list[list[str]] | None:
     """The override list of every job a basic-sweeper multirun would launch.
 

@@ -87,15 +87,20 @@ def preflight(config_name: str, overrides: list[str], *, multirun: bool = False)
     check_group_choices(overrides)
     if not multirun:
         return Preflight(overrides, _compose_checked(config_name, overrides), 1)
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parsed = OverridesParser.create().parse_overrides(overrides)
+    fixed = [o.input_line for o in parsed if not o.is_sweep_override()]
+    try:  # a preset may declare the sweep itself (hydra.sweeper.params), or pick another sweeper
+        declared = hydra_runner.sweeper_params(config_name, fixed)
+    except Exception as exc:
+        _compose_checked(config_name, fixed)  # the readable error, if composing is what failed
+        raise PreflightError(f"cannot compose the sweeper: {explain(exc)}") from exc
     try:
-        jobs = hydra_runner.expand_sweep(overrides)
+        jobs = None if declared is None else hydra_runner.expand_sweep(declared + overrides)
     except Exception as exc:
         raise PreflightError(f"cannot expand the sweep: {explain(exc)}") from exc
     if jobs is None:  # a sampling sweeper: validate what is fixed; each trial checks itself
-        from hydra.core.override_parser.overrides_parser import OverridesParser
-
-        parsed = OverridesParser.create().parse_overrides(overrides)
-        fixed = [o.input_line for o in parsed if not o.is_sweep_override()]
         return Preflight(overrides, _compose_checked(config_name, fixed), None)
     first = None
     for job in jobs:

