@@ -9,7 +9,10 @@ run dir and calls the job (bapo_cli.jobs).
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
+import tempfile
+from pathlib import Path
 
 import typer
 from rich.console import Console
@@ -63,6 +66,11 @@ def _launch(config_name: str, overrides: list[str] | None, multirun: bool, task)
     from bapo_cli.config import hydra_runner
 
     checked = _preflight(config_name, overrides, multirun)
+    rank = int(os.environ.get("RANK", "0"))
+    if rank > 0 and not any(o.startswith("hydra.run.dir=") for o in checked.overrides):
+        # under torchrun only rank 0 keeps a run dir; the trainer hands it to the other ranks
+        scratch = Path(tempfile.gettempdir()) / f"bapo-rank{rank}-{os.getpid()}"
+        checked.overrides.extend([f"hydra.run.dir={scratch}", "hydra.output_subdir=null"])
     if multirun:
         jobs = "a sampled number of" if checked.num_jobs is None else str(checked.num_jobs)
         Console().print(f"[bold]bapo {config_name}[/bold]: {jobs} jobs, every config validated")
@@ -93,10 +101,29 @@ def train(
     multirun: bool = typer.Option(
         False, "--multirun", "-m", help="Run a Hydra sweep (one job per combination)."
     ),
+    nproc: int = typer.Option(
+        1, "--nproc", help="Data-parallel processes on this machine (re-runs itself via torchrun)."
+    ),
 ) -> None:
     """Train a policy with the composed config (conf/train.yaml)."""
     from bapo_cli import jobs
 
+    if nproc > 1 and "WORLD_SIZE" not in os.environ:
+        if multirun:
+            raise _fail("--nproc and -m together: run the sweep's jobs one torchrun at a time")
+        _preflight("train", overrides)  # bad input fails here, before N processes start
+        command = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc_per_node={nproc}",
+            "-m",
+            "bapo_cli",
+            "train",
+            *(overrides or []),
+        ]
+        raise typer.Exit(subprocess.call(command))
     _launch("train", overrides, multirun, jobs.train_job)
 
 
@@ -201,6 +228,50 @@ def runs(
 
 
 RUN_COLUMNS = ("reward/mean", "actor/entropy", "actor/c_low", "actor/c_high", "staleness/mean")
+
+
+@app.command(
+    epilog=(
+        "Examples:\n\n"
+        "  bapo report --sweep outputs/sweeps/2026-01-01/12-00-00\n\n"
+        "  bapo report --experiment staleness_study --out docs/study\n\n"
+        "  bapo report 4ae6d249496d 9939f111ddfb"
+    ),
+)
+def report(
+    run_ids: list[str] | None = typer.Argument(None, help="MLflow run ids.", show_default=False),
+    sweep: Path | None = typer.Option(None, help="A sweep dir (outputs/sweeps/<date>/<time>)."),
+    experiment: str | None = typer.Option(None, help="Every run of this MLflow experiment."),
+    uri: str | None = typer.Option(None, help="Tracking URI (default: the sweep's or config's)."),
+    out: Path | None = typer.Option(None, help="Report dir (default: <sweep>/report or outputs)."),
+) -> None:
+    """Compare runs: a table (markdown, CSV) and plots per metric, logged to the sweep's parent."""
+    import time
+
+    from bapo_cli import report as rep
+
+    if sum(x is not None and x != [] for x in (run_ids, sweep, experiment)) != 1:
+        raise _fail("give exactly one of --sweep DIR, --experiment NAME or RUN_ID...")
+    try:
+        if uri is None:
+            uri = (
+                rep.sweep_store(sweep)
+                if sweep is not None
+                else _preflight("train", []).config.tracking.uri
+            )
+        runs = rep.load_runs(uri, sweep_dir=sweep, experiment=experiment, run_ids=run_ids)
+        if out is None:
+            root = Path(_preflight("train", []).config.paths.output_root)
+            stamp = time.strftime("%Y-%m-%d/%H-%M-%S")
+            out = sweep / "report" if sweep is not None else root / "reports" / stamp
+        result = rep.write_report(runs, out, uri)
+    except rep.ReportError as exc:
+        raise _fail(str(exc)) from None
+    Console().print(f"{len(result.runs)} runs compared")
+    for path in result.files:
+        print(path)
+    if result.parent_id:
+        Console().print(f"logged to MLflow parent run {result.parent_id} (artifacts: report/)")
 
 
 @app.command()

@@ -285,6 +285,8 @@ def _combine(weights: list[tuple[dict[str, Any], float]], tokens: int) -> dict[s
             out[key] = max(column)
         elif key in SUM_KEYS or key.startswith("quadrant_") and not key.endswith("_mass"):
             out[key] = sum(column)
+        elif all(c == column[0] for c in column):  # e.g. the bounds of a per-step search: exact
+            out[key] = column[0]
         else:
             total = float(w.sum())
             out[key] = sum(c * float(wi) for c, wi in zip(column, w, strict=True)) / max(total, 1.0)

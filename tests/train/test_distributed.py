@@ -1,0 +1,156 @@
+"""Data parallelism on gloo: two ranks equal one process on the same global batch."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from bapo_cli.algos.advantages import REGISTRY as ADVANTAGES
+from bapo_cli.distributed import DistContext
+from bapo_cli.policy import ResponseLogits, collate, token_logprobs
+from bapo_cli.rollout.base import Sample
+from bapo_cli.update import LossSpec, optimizer_update
+from tests.conftest import run_bapo
+
+GROUPS, N = 8, 4
+
+
+def _model() -> torch.nn.Module:
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen2Config(
+        vocab_size=40,
+        hidden_size=128,
+        intermediate_size=128,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=64,
+        max_position_embeddings=64,
+        tie_word_embeddings=True,
+    )
+    return Qwen2ForCausalLM(config).float()
+
+
+def _global_batch(model: torch.nn.Module) -> list[Sample]:
+    """GROUPS prompts × N samples with stale behaviour log-probs (ratios far from 1)."""
+    g = torch.Generator().manual_seed(1)
+    samples = []
+    for group in range(GROUPS):
+        prompt = torch.randint(4, 40, (int(torch.randint(2, 6, (1,), generator=g)),), generator=g)
+        for _ in range(N):
+            length = int(torch.randint(1, 7, (1,), generator=g))
+            response = torch.randint(4, 40, (length,), generator=g).tolist()
+            samples.append(Sample(prompt.tolist(), group, None, response, versions=[0] * length))
+    rewards = torch.rand(len(samples), generator=g).round().double()
+    adv, _ = ADVANTAGES.get("grpo")(rewards, torch.tensor([s.group for s in samples]))
+    with torch.no_grad():
+        mb = collate(samples, 0, torch.device("cpu"))
+        logp, _ = token_logprobs(model, mb, 1.0)
+        noise = 0.4 * torch.randn(logp.shape, generator=g)
+    for i, s in enumerate(samples):
+        s.advantage = float(adv[i])
+        s.logprobs = (logp[i, : len(s.response_ids)] + noise[i, : len(s.response_ids)]).tolist()
+    return samples
+
+
+SPEC = LossSpec(
+    "bapo",
+    {
+        "dual_clip": 3.0,
+        "agg": "token-mean",
+        "rho0": 0.6,
+        "low_range": (0.6, 0.9),
+        "high_range": (1.2, 3.0),
+        "low_step": 0.02,
+        "high_step": 0.05,
+        "weighting": "none",
+    },
+    search={
+        "rho0": 0.6,
+        "low_range": (0.6, 0.9),
+        "high_range": (1.2, 3.0),
+        "low_step": 0.02,
+        "high_step": 0.05,
+        "weighting": "none",
+    },
+)
+
+
+def _update(samples: list[Sample], ctx: DistContext, micro_size: int) -> tuple[dict, list]:
+    model = _model()
+    scorer = ctx.wrap(ResponseLogits(model))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    micro = []
+    for i in range(0, len(samples), micro_size):
+        mb = collate(samples[i : i + micro_size], 0, torch.device("cpu"))
+        mb.advantages = torch.tensor([s.advantage for s in mb.samples])
+        micro.append(mb)
+    result = optimizer_update(
+        scorer, optimizer, micro, SPEC, temperature=1.0, grad_clip=None, version=0, dist_ctx=ctx
+    )
+    return result.metrics, [p.detach().clone() for p in model.parameters()]
+
+
+def _rank(rank: int, world: int, init_file: str, out: str) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    ctx = DistContext(rank=rank, world_size=world)
+    samples = _global_batch(_model())
+    mine = [s for s in samples if s.group % world == rank]  # whole groups per rank
+    metrics, params = _update(mine, ctx, micro_size=6)  # several micro-batches per rank
+    torch.save({"metrics": metrics, "params": params}, f"{out}.{rank}")
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_two_gloo_ranks_match_one_process_on_the_global_batch(tmp_path: Path) -> None:
+    out = str(tmp_path / "rank")
+    init = tempfile.mktemp(dir=tmp_path)
+    mp.spawn(_rank, args=(2, init, out), nprocs=2, join=True)
+    single_metrics, single_params = _update(_global_batch(_model()), DistContext(), micro_size=64)
+    ranks = [torch.load(f"{out}.{r}", weights_only=False) for r in range(2)]
+    for r in ranks:
+        for key in ("c_low", "c_high", "rho", "rho_before", "search_steps"):
+            assert r["metrics"][key] == single_metrics[key], key  # identical bounds
+        for a, b in zip(r["params"], single_params, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)  # the same update
+    assert single_metrics["search_steps"] > 0  # the search really walked
+    for a, b in zip(ranks[0]["params"], ranks[1]["params"], strict=True):
+        assert torch.equal(a, b)  # ranks stay in lockstep
+
+
+@pytest.mark.slow
+def test_bapo_train_nproc_2_runs_data_parallel(_output_root: Path) -> None:
+    env = {"OMP_NUM_THREADS": "1"}
+    result = run_bapo("train", "--nproc", "2", "experiment=smoke", env=env, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    runs = list((_output_root / "runs").glob("*/*"))
+    assert len(runs) == 1  # one run dir: rank 0's
+    state = torch.load(
+        runs[0] / "checkpoints" / "step_000002" / "trainer_state.pt", weights_only=False
+    )
+    assert len(state["ranks"]) == 2
+    assert state["ranks"][0]["prompts"] == state["ranks"][1]["prompts"]  # same global stream
+    assert state["ranks"][0]["rng"]["torch"].ne(state["ranks"][1]["rng"]["torch"]).any()
+    assert "bapo train: summary" in result.stdout
+
+
+def test_data_parallel_refuses_what_it_cannot_split(_output_root: Path) -> None:
+    result = run_bapo(
+        "train",
+        "--nproc",
+        "2",
+        "experiment=smoke",
+        "trainer.prompts_per_step=6",
+        "staleness=2",
+        timeout=600,
+    )
+    assert result.returncode != 0
+    assert "must split into 2 ranks" in result.stderr
