@@ -52,6 +52,28 @@ def latest(root: Path) -> Path | None:
     return max(done, key=lambda p: int(p.name.split("_")[1]), default=None)
 
 
+def latest_usable(root: Path, warn: Any = print) -> tuple[Path, dict[str, Any]] | None:
+    """The newest complete checkpoint whose files load, with its trainer state.
+
+    A checkpoint that is complete but unreadable (a disk fault, a foreign file) is reported via
+    `warn` and skipped: resume falls back to the one before it."""
+    if not root.is_dir():
+        return None
+    done = sorted(
+        (p for p in root.glob("step_*") if p.is_dir() and (p / MARKER).is_file()),
+        key=lambda p: int(p.name.split("_")[1]),
+        reverse=True,
+    )
+    for path in done:
+        try:
+            if not (path / "config.json").is_file():
+                raise CheckpointError(f"checkpoint {path} has no config.json")
+            return path, load_state(path)
+        except CheckpointError as err:
+            warn(f"skipping unusable checkpoint: {err}")
+    return None
+
+
 def load_state(directory: Path) -> dict[str, Any]:
     path = directory / STATE_FILE
     try:

@@ -42,7 +42,7 @@ from bapo_cli.progress import TrainProgress, summary_table
 from bapo_cli.rollout.base import Sample, SamplingParams, make_engine, resolve_engine_name
 from bapo_cli.rollout.collect import Collector
 from bapo_cli.staleness.regimes import Regime, make_regime
-from bapo_cli.tracking import flatten, make_tracker
+from bapo_cli.tracking import describe_failure, flatten, make_tracker
 from bapo_cli.update import LossSpec, loss_spec, optimizer_update, tis_weights
 
 
@@ -85,7 +85,12 @@ def train(
     run_dir = Path(ctx.broadcast(str(run_dir)))  # every rank writes under rank 0's run dir
     run_dir.mkdir(parents=True, exist_ok=True)
     ckpt_root = run_dir / "checkpoints"
-    resume_from = checkpoint.latest(ckpt_root) if cfg.trainer.resume else None
+    found = checkpoint.latest_usable(ckpt_root, console.print) if cfg.trainer.resume else None
+    resume_from, saved = found if found is not None else (None, None)
+    if cfg.trainer.resume and found is None:
+        console.print(
+            f"trainer.resume=true but no usable checkpoint in {ckpt_root}: starting fresh"
+        )
     checkpoint.seed_everything(cfg.trainer.seed)
     torch.use_deterministic_algorithms(True, warn_only=True)
     _check_parallel(cfg, ctx)
@@ -171,8 +176,7 @@ def train(
     # --- tracking and resume --------------------------------------------------------------
     state = TrainState()
     run_id = None
-    if resume_from is not None:
-        saved = checkpoint.load_state(resume_from)
+    if resume_from is not None and saved is not None:
         ranks = saved["ranks"]
         if len(ranks) != ctx.world_size:
             raise checkpoint.CheckpointError(
@@ -190,16 +194,26 @@ def train(
         checkpoint.set_rng_state(mine["rng"])
         engine.sync_weights(model, state.version)  # tokens sampled from here carry this version
         console.print(f"resumed from {resume_from} at step {state.step}")
-    tracker = make_tracker(
-        cfg.tracking.backend if ctx.is_main else "none",
-        cfg.tracking.uri,
-        cfg.tracking.experiment,
-        run_name=cfg.tracking.run_name or _run_name(cfg),
-        run_id=run_id,
-        tags={**_tags(cfg, engine_name), **(tags or {})},
-    )
+    try:  # the store must answer at the start; later outages only delay metrics (tracking.py)
+        tracker = make_tracker(
+            cfg.tracking.backend if ctx.is_main else "none",
+            cfg.tracking.uri,
+            cfg.tracking.experiment,
+            run_name=cfg.tracking.run_name or _run_name(cfg),
+            run_id=run_id,
+            tags={**_tags(cfg, engine_name), **(tags or {})},
+            run_dir=run_dir,
+        )
+        if resume_from is None:
+            tracker.log_params(flatten(cfg))
+    except Exception as err:
+        engine.close()
+        raise TrainingError(
+            f"tracking: cannot start the MLflow run at {cfg.tracking.uri} "
+            f"({describe_failure(err)}); start the server, or pass tracking.uri=... or "
+            "tracking=none"
+        ) from err
     if resume_from is None:
-        tracker.log_params(flatten(cfg))
         tracker.log_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)), "config.yaml")
     samples_file = run_dir / "samples.jsonl"
     val_sets = evaluate.validation_sets(cfg) if cfg.trainer.val_every and ctx.is_main else []
@@ -358,7 +372,9 @@ def _train_step(
             if state.skipped_in_a_row >= cfg.trainer.max_skipped_steps:
                 raise TrainingError(
                     f"{state.skipped_in_a_row} consecutive updates had a non-finite loss or "
-                    "gradient; stopped (the last checkpoint is from before the trouble)"
+                    f"gradient (trainer.max_skipped_steps={cfg.trainer.max_skipped_steps}); "
+                    "stopped. Checkpoints in the run dir are from before the trouble: resume "
+                    "from them with a lower trainer.lr"
                 )
         else:
             state.skipped_in_a_row = 0

@@ -307,7 +307,9 @@ class RolloutConfig:
     tensor_parallel_size: int = opt(1, "vLLM: GPUs per engine")
     enable_sleep_mode: bool = opt(False, "vLLM on CUDA: free the KV cache while training")
     tis_cap: float | None = opt(
-        None, "truncated importance-sampling cap for train/rollout mismatch; null = off"
+        None,
+        "truncated importance sampling: weight each token by min(pi_trainer / pi_engine, cap), "
+        "correcting the engine/trainer numerical mismatch (vllm; not staleness); null = off",
     )
 
     def check(self) -> None:
@@ -367,8 +369,8 @@ OLD_LOGPROBS = ("behaviour", "recompute")
 class TrainerConfig:
     """The RL loop: steps, optimiser, batch shape, checkpoints, validation."""
 
-    max_steps: int = opt(50, "rollout batches to train on")
-    lr: float = opt(3e-4, "AdamW learning rate (paper: 1e-6 to 2e-6 for 7B models)")
+    max_steps: int = opt(300, "rollout batches to train on")
+    lr: float = opt(1e-4, "AdamW learning rate (paper: 1e-6 to 2e-6 for 7B models)")
     weight_decay: float = opt(0.0, "AdamW weight decay")
     grad_clip: float | None = opt(1.0, "max global grad norm; null = off")
     prompts_per_step: int = opt(32, "prompts per rollout batch (each sampled rollout.n times)")
