@@ -27,6 +27,22 @@ def _validated(cfg: DictConfig):
         sys.exit(USAGE_EXIT_CODE)
 
 
+def _share_cores() -> None:
+    """Parallel jobs of a sweep (joblib's n_jobs) split the cores instead of each using all:
+    on 2 cores, 2 jobs × 2 threads ran ~7x slower than 2 jobs × 1 thread (measured here).
+    An explicit OMP_NUM_THREADS wins."""
+    import os
+
+    import torch
+
+    if os.environ.get("OMP_NUM_THREADS"):
+        return
+    launcher = HydraConfig.get().launcher
+    n_jobs = launcher.get("n_jobs") if hasattr(launcher, "get") else None
+    if isinstance(n_jobs, int) and n_jobs > 1:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // n_jobs))
+
+
 def _run_dir() -> Path:
     return Path(HydraConfig.get().runtime.output_dir)
 
@@ -66,6 +82,7 @@ def train_job(cfg: DictConfig) -> float:
 
     config = _validated(cfg)
     run_dir = _run_dir()
+    _share_cores()
     console = Console()
     plan.show("bapo train", plan.train_rows(config, run_dir), console)
     try:
