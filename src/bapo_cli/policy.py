@@ -33,6 +33,12 @@ class MicroBatch:
     old_log_prob: Tensor  # [b, R] behaviour log-probs (0 where unknown or masked)
     versions: Tensor  # [b, R] policy version that sampled each token
     advantages: Tensor  # [b] one advantage per response
+    old_is_current: bool = False  # behaviour log-probs are those of the weights that will train
+
+    @property
+    def unscored(self) -> bool:
+        """No behaviour log-prob recorded for any token (scoring was deferred to the update)."""
+        return all(not s.logprobs for s in self.samples)
 
     @property
     def num_tokens(self) -> int:

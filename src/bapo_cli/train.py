@@ -132,8 +132,19 @@ def train(
             for part in regime.split(samples)
         ]
 
+    # reuse: the first mini-batch is trained right away by the weights that sampled it, so its
+    # behaviour log-probs come from that update's own forward instead of a scoring pass (not
+    # with an engine that reports its own log-probs: those are compared with the trainer's)
+    defer_first = (
+        cfg.staleness.regime == "reuse"
+        and cfg.trainer.old_logprob == "behaviour"
+        and engine_name == "hf"
+    )
+
     def score(samples: list[Sample]) -> None:
-        for mini in layout(samples):
+        for i, mini in enumerate(layout(samples)):
+            if defer_first and i == 0:
+                continue
             for mb in mini:
                 record_behaviour(scorer, mb, cfg.rollout.temperature)
 
@@ -349,6 +360,8 @@ def _train_step(
             mb.advantages = torch.tensor(
                 [s.advantage for s in mb.samples], dtype=torch.float32, device=mb.mask.device
             )
+            if i == 0 and mb.unscored:  # deferred: scored by this update's forward
+                mb.old_is_current = True
             if cfg.rollout.tis_cap is not None:  # engine/trainer mismatch: per-token weights
                 mb.advantages = mb.advantages[:, None] * tis_weights(mb, cfg.rollout.tis_cap)
             if cfg.trainer.old_logprob == "recompute":  # decoupled PPO: pi_old at first use

@@ -84,6 +84,8 @@ def solve_bounds(
     with torch.no_grad():
         for mb in micro:
             logp, _ = token_logprobs(model, mb, temperature)
+            if mb.old_is_current:  # see optimizer_update: the behaviour policy is these weights
+                mb.old_log_prob, mb.old_is_current = logp, False
             acc.add(**_search_inputs(logp, mb, spec))
     return acc.solve(spec.search["rho0"], group=group)
 
@@ -142,6 +144,11 @@ def optimizer_update(
     for i, mb in enumerate(micro):
         with ctx.no_sync(model, last=i == len(micro) - 1):
             logp, entropy = token_logprobs(model, mb, temperature, entropy=True)
+            if mb.old_is_current:
+                # The tokens were sampled by exactly these weights (the first update on a fresh
+                # batch): their behaviour log-probs are this forward's, so the trainer skips a
+                # separate scoring pass. Kept for later epochs over the same micro-batch.
+                mb.old_log_prob, mb.old_is_current = logp.detach(), False
             params = dict(spec.params)
             if per_step_search:
                 if bounds is None:  # the mini-batch is this one micro-batch

@@ -11,6 +11,7 @@ from bapo_cli.train import TrainResult, train
 
 # small batches: every test trains in seconds on 2 cores
 FAST = [
+    "rollout=hf",  # the engine whose log-probs are the trainer's own (vLLM has tests/rollout)
     "tracking=none",
     "trainer.prompts_per_step=8",
     "rollout.n=4",
