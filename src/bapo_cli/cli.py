@@ -234,7 +234,7 @@ RUN_COLUMNS = ("reward/mean", "actor/entropy", "actor/c_low", "actor/c_high", "s
     epilog=(
         "Examples:\n\n"
         "  bapo report --sweep outputs/sweeps/2026-01-01/12-00-00\n\n"
-        "  bapo report --experiment staleness_study --out docs/study\n\n"
+        "  bapo report --experiment staleness_study --facet staleness --out docs/study\n\n"
         "  bapo report 4ae6d249496d 9939f111ddfb"
     ),
 )
@@ -244,6 +244,9 @@ def report(
     experiment: str | None = typer.Option(None, help="Every run of this MLflow experiment."),
     uri: str | None = typer.Option(None, help="Tracking URI (default: the sweep's or config's)."),
     out: Path | None = typer.Option(None, help="Report dir (default: <sweep>/report or outputs)."),
+    facet: str | None = typer.Option(
+        None, help="An override key (e.g. staleness): one column of plot panels per value."
+    ),
 ) -> None:
     """Compare runs: a table (markdown, CSV) and plots per metric, logged to the sweep's parent."""
     import time
@@ -264,7 +267,7 @@ def report(
             root = Path(_preflight("train", []).config.paths.output_root)
             stamp = time.strftime("%Y-%m-%d/%H-%M-%S")
             out = sweep / "report" if sweep is not None else root / "reports" / stamp
-        result = rep.write_report(runs, out, uri)
+        result = rep.write_report(runs, out, uri, facet)
     except rep.ReportError as exc:
         raise _fail(str(exc)) from None
     Console().print(f"{len(result.runs)} runs compared")

@@ -6,9 +6,15 @@ Metric keys are namespaced with `/` (design.md: reward/mean, actor/entropy, bapo
 from __future__ import annotations
 
 import dataclasses
+import json
+import logging
+import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -124,6 +130,45 @@ MAX_PARAM_VALUE = 6000  # MLflow's limit on a param value (characters)
 MAX_BATCH_PARAMS = 100  # MLflow's limit of params per log_batch call
 MAX_BATCH_METRICS = 1000  # MLflow's limit of metrics per log_batch call
 
+# ----------------------------------------------------------------------- delivery and outages
+# A tracking outage must not stop training. A failed `log_batch` keeps its metrics (in order, with
+# their original timestamps) and the next flush sends them again; MLflow's SQL store drops exact
+# duplicates, so a batch that did arrive but whose answer was lost is not logged twice. `close`
+# keeps trying for `DELIVERY_TIMEOUT_S`, then writes what is left to `UNDELIVERED_FILE` in the
+# run dir and says how many metrics that is in one warning line.
+DELIVERY_TIMEOUT_S = 30.0  # close(): how long to keep retrying a store that is down
+RETRY_INTERVAL_S = 1.0  # close(): pause between attempts
+UNDELIVERED_FILE = "undelivered_metrics.jsonl"  # one JSON object per metric never delivered
+# MLflow's REST client retries a refused connection 7 times with exponential backoff and waits
+# 120 s for an answer: minutes of stalled training per flush while a server is down. These apply
+# to http(s) URIs unless the user set the variable (read by mlflow.utils.rest_utils on each call).
+FAIL_FAST_HTTP = {
+    "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "1",
+    "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "0",
+    "MLFLOW_HTTP_REQUEST_TIMEOUT": "10",
+}
+
+
+def fail_fast_http(uri: str) -> None:
+    """Short HTTP retries and timeouts for a tracking server (the user's own settings win)."""
+    if uri.startswith(("http://", "https://")):
+        for name, value in FAIL_FAST_HTTP.items():
+            os.environ.setdefault(name, value)
+
+
+def describe_failure(exc: BaseException) -> str:
+    """One short line for a store error (MLflow's connection errors run to 400 characters)."""
+    text = str(exc)
+    for needle, short in (
+        ("Connection refused", "connection refused"),
+        ("timed out", "timed out"),
+        ("Name or service not known", "unknown host"),
+    ):
+        if needle in text:
+            return short
+    first = text.strip().splitlines()[0] if text.strip() else ""
+    return f"{type(exc).__name__}: {first[:160]}" if first else type(exc).__name__
+
 
 class MlflowTracker:
     """One MLflow run through `MlflowClient` (no global fluent state, so several runs can live in
@@ -139,9 +184,18 @@ class MlflowTracker:
         run_id: str | None = None,
         tags: dict[str, str] | None = None,
         flush_every: int = 10,
+        run_dir: Path | None = None,  # where undelivered metrics are written at close
+        delivery_timeout_s: float | None = None,  # None: DELIVERY_TIMEOUT_S
     ) -> None:
         from mlflow.tracking import MlflowClient
 
+        fail_fast_http(uri)
+        self.run_dir = run_dir
+        self.delivery_timeout_s = (
+            DELIVERY_TIMEOUT_S if delivery_timeout_s is None else delivery_timeout_s
+        )
+        self.failed_flushes = 0  # log_batch calls that failed (the store was down)
+        self._down_since: float | None = None  # monotonic time of the first failure, while down
         path = sqlite_path(uri)
         if path is not None:
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -185,19 +239,107 @@ class MlflowTracker:
             self.flush()
 
     def flush(self) -> None:
-        pending, self._pending, self._steps_since_flush = self._pending, [], 0
-        for start in range(0, len(pending), MAX_BATCH_METRICS):
-            self.client.log_batch(self.run_id, metrics=pending[start : start + MAX_BATCH_METRICS])
+        """Send the buffered metrics; if the store is down, keep them for the next flush."""
+        self._steps_since_flush = 0
+        self._deliver()
+
+    def _deliver(self) -> bool:
+        """Send pending metrics oldest first; True once none is left. Never raises."""
+        sent = 0
+        while self._pending:
+            chunk = self._pending[:MAX_BATCH_METRICS]
+            try:
+                self.client.log_batch(self.run_id, metrics=chunk)
+            except Exception as exc:  # any store failure: training goes on, metrics stay queued
+                self.failed_flushes += 1
+                if self._down_since is None:
+                    self._down_since = time.monotonic()
+                    logger.warning(
+                        "tracking: %s not reachable (%s); keeping %d metrics and retrying at the "
+                        "next flush, training goes on",
+                        self.uri,
+                        describe_failure(exc),
+                        len(self._pending),
+                    )
+                return False
+            del self._pending[: len(chunk)]
+            sent += len(chunk)
+        if self._down_since is not None:
+            logger.warning(
+                "tracking: %s back after %.0f s; %d buffered metrics delivered",
+                self.uri,
+                time.monotonic() - self._down_since,
+                sent,
+            )
+            self._down_since = None
+        return True
 
     def log_text(self, text: str, artifact_file: str) -> None:
-        self.client.log_text(self.run_id, text, artifact_file)
+        try:
+            self.client.log_text(self.run_id, text, artifact_file)
+        except Exception as exc:  # an artifact the store missed is not worth the training run
+            logger.warning("tracking: %s not uploaded (%s)", artifact_file, describe_failure(exc))
 
     def log_artifact(self, path: Path, artifact_path: str | None = None) -> None:
-        self.client.log_artifact(self.run_id, str(path), artifact_path)
+        try:
+            self.client.log_artifact(self.run_id, str(path), artifact_path)
+        except Exception as exc:  # the file stays in the run dir
+            logger.warning("tracking: %s not uploaded (%s)", path, describe_failure(exc))
 
     def close(self, status: str = "FINISHED") -> None:
-        self.flush()
-        self.client.set_terminated(self.run_id, status=status)
+        """Deliver what is pending and end the run, retrying a down store for a bounded time;
+        what is still undelivered then goes to `<run_dir>/undelivered_metrics.jsonl` (also on
+        Ctrl-C). The run is ended only once all its metrics are in."""
+        deadline = time.monotonic() + self.delivery_timeout_s
+        error: BaseException | None = None
+        try:
+            while True:
+                if self._deliver():
+                    try:
+                        self.client.set_terminated(self.run_id, status=status)
+                        return
+                    except Exception as exc:
+                        error = exc
+                if time.monotonic() >= deadline:
+                    break
+                time.sleep(max(min(RETRY_INTERVAL_S, deadline - time.monotonic()), 0.0))
+            if not self._pending and error is not None:
+                logger.warning(
+                    "tracking: run %s could not be ended in %s (%s); it stays RUNNING there",
+                    self.run_id,
+                    self.uri,
+                    describe_failure(error),
+                )
+        finally:
+            if self._pending:
+                self._write_undelivered()
+
+    def _write_undelivered(self) -> None:
+        steps = sorted({m.step for m in self._pending})
+        where = "lost (no run dir given)"
+        if self.run_dir is not None:
+            path = Path(self.run_dir) / UNDELIVERED_FILE
+            try:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                with path.open("a", encoding="utf-8") as f:
+                    for m in self._pending:
+                        record = {"run_id": self.run_id, "key": m.key, "value": m.value}
+                        record.update(step=m.step, timestamp=m.timestamp)
+                        f.write(json.dumps(record) + "\n")
+                where = f"written to {path}"
+            except OSError as exc:
+                where = f"lost: cannot write {path} ({exc.strerror or exc})"
+        logger.warning(
+            "tracking: %d metrics of steps %d-%d (%d steps) not delivered to %s; %s; the run stays "
+            "RUNNING there",
+            len(self._pending),
+            steps[0],
+            steps[-1],
+            len(steps),
+            self.uri,
+            where,
+        )
+        self._pending = []
 
 
 def ensure_experiment(client: Any, name: str) -> str:

@@ -18,6 +18,8 @@ TRAIN_GROUPS = [
     "tracking",
     "trainer",
     "experiment",
+    "launcher",
+    "sweeper",
 ]
 EVAL_GROUPS = ["model", "benchmark", "rollout", "tracking", "eval"]
 

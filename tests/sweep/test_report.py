@@ -1,0 +1,96 @@
+"""`bapo report`: tables from hand-made histories, and one-line errors for bad input."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from mlflow.tracking import MlflowClient
+from typer.testing import CliRunner
+
+from bapo_cli import report
+from bapo_cli.cli import app
+
+runner = CliRunner()
+
+
+def _run(overrides: str, rewards: list[float], entropy: float = 0.5) -> report.RunData:
+    steps = range(1, len(rewards) + 1)
+    return report.RunData(
+        run_id=overrides.replace(" ", "_"),
+        name=overrides,
+        status="FINISHED",
+        overrides=overrides.split(),
+        histories={
+            "reward/mean": list(zip(steps, rewards, strict=True)),
+            "actor/entropy": [(s, entropy) for s in steps],
+            "actor/c_low": [(s, 0.8) for s in steps],
+        },
+    )
+
+
+def test_labels_drop_shared_overrides_and_groups_average_seeds() -> None:
+    runs = [
+        _run("x=1 algo=grpo trainer.seed=0", [0.0] * 9 + [0.2], entropy=0.4),
+        _run("x=1 algo=grpo trainer.seed=1", [0.0] * 9 + [0.4], entropy=0.6),
+        _run("x=1 algo=bapo trainer.seed=0", [0.5] * 10),
+    ]
+    report.label_runs(runs)
+    assert [r.label for r in runs] == [
+        "algo=grpo trainer.seed=0",
+        "algo=grpo trainer.seed=1",
+        "algo=bapo trainer.seed=0",
+    ]
+    assert [r.group for r in runs] == ["algo=grpo", "algo=grpo", "algo=bapo"]
+    # final = mean of the last 10% of steps (here the last one); best = highest step
+    assert runs[0].values["final reward"] == pytest.approx(0.2)
+    assert runs[1].values["best reward"] == pytest.approx(0.4)
+    assert runs[0].values["mean rho"] is None  # never logged: an empty cell, not 0
+    (name, n, stats), (_, n2, _) = report.group_rows(runs)
+    assert (name, n, n2) == ("algo=grpo", 2, 1)
+    assert stats["final reward"] == pytest.approx((0.3, 0.1414213), rel=1e-5)
+    assert stats["final entropy"] == pytest.approx((0.5, 0.1414213), rel=1e-5)
+    header, rows = report.groups_table(runs)
+    assert rows[0][header.index("final reward")] == "0.300 ± 0.141"
+    assert rows[0][header.index("mean rho")] == ""
+
+
+def test_write_report_without_a_store_writes_tables_and_plots(tmp_path: Path) -> None:
+    runs = [
+        _run("algo=grpo trainer.seed=0", [0.1, 0.2]),
+        _run("algo=bapo trainer.seed=0", [0.3, 0.4]),
+    ]
+    out = report.write_report(runs, tmp_path / "r")
+    names = sorted(p.name for p in out.files)
+    assert names == ["clip_bounds.png", "entropy.png", "reward.png", "runs.csv", "runs.md"]
+    assert out.parent_id is None
+
+
+def test_report_on_missing_sweep_dir_is_one_line(tmp_path: Path) -> None:
+    result = runner.invoke(app, ["report", "--sweep", str(tmp_path / "nope")])
+    assert result.exit_code == 2
+    assert f"sweep dir {tmp_path / 'nope'} does not exist" in " ".join(result.output.split())
+
+
+def test_report_on_runs_without_metrics_says_so(tmp_path: Path) -> None:
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    client = MlflowClient(tracking_uri=uri)
+    exp = client.create_experiment("empty")
+    ids = [client.create_run(exp).info.run_id for _ in range(2)]
+    result = runner.invoke(app, ["report", *ids, "--uri", uri])
+    assert result.exit_code == 2, result.output
+    assert "no metrics in run(s)" in result.output and "nothing to compare" in result.output
+    by_name = runner.invoke(app, ["report", "--experiment", "nope", "--uri", uri])
+    assert by_name.exit_code == 2 and "no experiment 'nope'" in by_name.output
+
+
+def test_report_wants_exactly_one_source(tmp_path: Path) -> None:
+    result = runner.invoke(app, ["report"])
+    assert result.exit_code == 2 and "exactly one of" in result.output
+    both = runner.invoke(app, ["report", "abc", "--experiment", "x"])
+    assert both.exit_code == 2 and "exactly one of" in both.output
+
+
+def test_report_on_a_dir_that_is_not_a_sweep(tmp_path: Path) -> None:
+    result = runner.invoke(app, ["report", "--sweep", str(tmp_path)])
+    assert result.exit_code == 2 and "not a sweep" in result.output
