@@ -99,6 +99,18 @@ class RolloutEngine(Protocol):
 ENGINES: Registry = Registry("rollout engine")
 
 
+def eos_ids(model: torch.nn.Module, tokenizer: Any) -> list[int]:
+    """Every end-of-sequence id the model's generation config or the tokenizer names."""
+    ids: set[int] = set()
+    for source in (getattr(model, "generation_config", None), tokenizer):
+        eos = getattr(source, "eos_token_id", None)
+        if isinstance(eos, int):
+            ids.add(eos)
+        elif eos:
+            ids.update(int(e) for e in eos)
+    return sorted(ids)
+
+
 def resolve_engine_name(name: str) -> str:
     """`auto` → vllm when it imports, else hf (the choice is printed and logged by the trainer)."""
     import importlib.util

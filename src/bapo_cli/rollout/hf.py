@@ -1,15 +1,16 @@
 """Generation with transformers' `generate()` on the trainer's own model (`rollout=hf`).
 
-Works everywhere (CPU, one GPU), slowest of the engines. The engine holds a reference to the
+Works everywhere (CPU, one GPU); on the tiny CPU model it outruns vLLM, on real models it is the
+slower one. The engine holds a reference to the
 trainer's model, so its weights are always the trainer's current weights and `sync_weights` only
 records the new policy version.
 
 Behaviour log-probs: this engine returns none. The trainer scores the sampled tokens with its own
 forward pass right after sampling, before any update, with the same weights and the same tensor
 layout as its first update (bapo_cli.policy). The recorded log-probs are therefore exactly the
-behaviour policy's, and an on-policy update sees a ratio of exactly 1 (with an engine that
-computes log-probs in other kernels, such as vLLM, that ratio is 1 only up to the mismatch
-`rollout/logprob_abs_diff` measures).
+behaviour policy's, and an on-policy update sees a ratio of exactly 1. (The vLLM engine reports
+its own log-probs too; the trainer scores its tokens the same way and logs the gap as
+`rollout/logprob_abs_diff_*`.)
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from bapo_cli.rollout.base import (
     Generation,
     Request,
     SamplingParams,
+    eos_ids,
 )
 
 
@@ -40,7 +42,9 @@ class HFEngine:
         self.batch_size = batch_size
         self.version = 0
         self.pad_id = tokenizer.pad_token_id
-        self.eos_ids = _eos_ids(model, tokenizer)
+        self.eos_ids = eos_ids(model, tokenizer)
+        if not self.eos_ids:
+            raise ValueError("the tokenizer has no end-of-sequence token: generation cannot stop")
 
     def sync_weights(self, model: torch.nn.Module, version: int) -> float:
         if model is not self.model:  # a different module: copy its weights in, from memory
@@ -107,16 +111,3 @@ class HFEngine:
         if params.stop and self.pad_id in kept:  # generate() pads rows ended by a stop string
             return Generation(kept[: kept.index(self.pad_id)], None, FINISH_STOP)
         return Generation(kept, None, FINISH_BUDGET)
-
-
-def _eos_ids(model: torch.nn.Module, tokenizer) -> list[int]:
-    ids: set[int] = set()
-    for source in (getattr(model, "generation_config", None), tokenizer):
-        eos = getattr(source, "eos_token_id", None)
-        if isinstance(eos, int):
-            ids.add(eos)
-        elif eos:
-            ids.update(int(e) for e in eos)
-    if not ids:
-        raise ValueError("the tokenizer has no end-of-sequence token: generation could not stop")
-    return sorted(ids)

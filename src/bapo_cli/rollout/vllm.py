@@ -63,6 +63,7 @@ from bapo_cli.rollout.base import (
     Generation,
     Request,
     SamplingParams,
+    eos_ids,
 )
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process: colocated, syncable
@@ -86,7 +87,7 @@ class VLLMEngine:
         rollout = cfg.rollout
         self.sleep_mode = bool(rollout.enable_sleep_mode) and self.on_cuda
         self.max_model_len = int(cfg.model.max_model_len)
-        self.eos_ids = _eos_ids(model, tokenizer)
+        self.eos_ids = eos_ids(model, tokenizer)
         self.version = 0
         self.sleeping: set[str] = set()  # vLLM memory tags now released (sleep mode, CUDA)
         kwargs: dict[str, Any] = dict(
@@ -250,14 +251,3 @@ def _config_seed(cfg: Any) -> int:
         if value is not None:
             return int(value)
     return 0
-
-
-def _eos_ids(model: torch.nn.Module, tokenizer: Any) -> list[int]:
-    ids: set[int] = set()
-    for source in (getattr(model, "generation_config", None), tokenizer):
-        eos = getattr(source, "eos_token_id", None)
-        if isinstance(eos, int):
-            ids.add(eos)
-        elif eos:
-            ids.update(int(e) for e in eos)
-    return sorted(ids)
