@@ -94,3 +94,20 @@ def test_report_wants_exactly_one_source(tmp_path: Path) -> None:
 def test_report_on_a_dir_that_is_not_a_sweep(tmp_path: Path) -> None:
     result = runner.invoke(app, ["report", "--sweep", str(tmp_path)])
     assert result.exit_code == 2 and "not a sweep" in result.output
+
+
+def test_facet_makes_one_panel_column_per_value(tmp_path: Path) -> None:
+    runs = [
+        _run(f"algo={a} staleness='{k}' trainer.seed={s}", [0.1 * s, 0.2])
+        for a in ("grpo", "bapo")
+        for k in (0, 8)
+        for s in (0, 1)
+    ]
+    out = report.write_report(runs, tmp_path / "r", facet="staleness")
+    assert (tmp_path / "r" / "groups.md").read_text().count("\n") == 2 + 4
+    assert "| algo=grpo staleness=0 | 2 |" in (tmp_path / "r" / "groups.md").read_text()
+    from PIL import Image
+
+    with Image.open(tmp_path / "r" / "reward.png") as image:  # two panels side by side
+        assert image.width > 1.8 * image.height
+    assert len([p for p in out.files if p.suffix == ".png"]) == 3

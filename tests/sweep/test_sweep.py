@@ -14,8 +14,8 @@ from bapo_cli.config import hydra_runner
 from bapo_cli.config.preflight import preflight
 from tests.conftest import run_bapo
 
-# experiment=smoke (2 tiny steps) with tracking on
-TINY = ("experiment=smoke", "tracking=mlflow")
+# experiment=smoke (2 tiny steps) with tracking on; the transformers engine (quick to start)
+TINY = ("experiment=smoke", "tracking=mlflow", "rollout=hf")
 ENV = {"OMP_NUM_THREADS": "1"}  # two jobs at once on a 2-core machine: no thread oversubscription
 
 
