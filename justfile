@@ -18,6 +18,10 @@ eval *OVERRIDES:
 sweep *OVERRIDES:
     {{venv}}/bapo train -m {{OVERRIDES}}
 
+# compare the runs of a sweep, e.g. `just report --sweep outputs/sweeps/<date>/<time>`
+report *ARGS:
+    {{venv}}/bapo report {{ARGS}}
+
 # the README's test command (what CI runs)
 test *ARGS:
     {{venv}}/python -m pytest {{ARGS}}
@@ -27,6 +31,9 @@ lint:
     {{venv}}/ruff check .
     {{venv}}/ruff format --check .
 
-# speed benchmarks (tables, not tests)
-bench *ARGS:
-    {{venv}}/python benchmarks/bench_loss.py {{ARGS}}
+# speed benchmarks (tables, not tests): loss, grading, rollout engines, training vs TRL
+bench:
+    {{venv}}/python benchmarks/bench_loss.py
+    {{venv}}/python benchmarks/bench_grading.py
+    {{venv}}/python benchmarks/bench_rollout.py
+    {{venv}}/python benchmarks/bench_train.py
