@@ -42,7 +42,8 @@ class MicroBatch:
 
     @property
     def num_tokens(self) -> int:
-        return int(self.mask.sum())
+        """Response tokens, counted on the host (no device sync in the per-micro-batch loop)."""
+        return sum(len(s.response_ids) for s in self.samples)
 
 
 def collate(samples: Sequence[Sample], pad_id: int, device: torch.device) -> MicroBatch:
