@@ -128,6 +128,11 @@ def from_env() -> DistContext:
     return DistContext(rank=rank, world_size=world, local_rank=local)
 
 
-def shutdown(ctx: DistContext) -> None:
+def shutdown(ctx: DistContext, *, clean: bool = True) -> None:
+    """Leave the process group. After a clean finish, wait for every rank first (tearing gloo down
+    while a peer still talks can abort the process); after an error, leave at once so the other
+    ranks fail on their next collective instead of hanging in a barrier."""
     if ctx.enabled and dist.is_initialized():
+        if clean:
+            dist.barrier()
         dist.destroy_process_group()

@@ -299,7 +299,7 @@ def train(
             tracker.log_artifact(samples_file)
         tracker.close(status)
         engine.close()
-        distributed.shutdown(ctx)
+        distributed.shutdown(ctx, clean=status == "FINISHED")
     console.print(summary_table(state.history, run_dir, cfg.tracking.uri, tracker.run_id))
     return TrainResult(run_dir, tracker.run_id, state.history, last_ckpt, all_updates, batch)
 

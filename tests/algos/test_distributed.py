@@ -40,7 +40,8 @@ print(json.dumps({
     "one_shot": one_shot.__dict__,
     "accumulated": accumulated.__dict__,
     "loss": {k: metrics[k] for k in ("c_low", "c_high", "rho", "search_steps")},
-}))
+}), flush=True)
+dist.barrier()  # no rank tears gloo down while the other still talks (seen: abort at exit)
 dist.destroy_process_group()
 """
 

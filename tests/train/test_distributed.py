@@ -105,6 +105,7 @@ def _rank(rank: int, world: int, init_file: str, out: str) -> None:
     mine = [s for s in samples if s.group % world == rank]  # whole groups per rank
     metrics, params = _update(mine, ctx, micro_size=6)  # several micro-batches per rank
     torch.save({"metrics": metrics, "params": params}, f"{out}.{rank}")
+    dist.barrier()  # no rank tears gloo down while the other still talks
     dist.destroy_process_group()
 
 
