@@ -24,6 +24,7 @@ from rich.console import Console
 from rich.table import Table
 
 from bapo_cli import eval_metrics, models
+from bapo_cli.checkpoint import seed_everything
 from bapo_cli.data.records import DataError, load_records
 from bapo_cli.data.tasks import Problem
 from bapo_cli.rewards import extract_answer, grade_many
@@ -157,8 +158,6 @@ def evaluate(cfg: Any, run_dir: Path, console: Console | None = None) -> dict[st
         max_tokens=cfg.eval.max_tokens,
         seed=cfg.eval.seed,
     )
-    from bapo_cli.checkpoint import seed_everything
-
     seed_everything(cfg.eval.seed)
     result = evaluate_benchmark(
         cfg.benchmark.name,

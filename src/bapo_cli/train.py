@@ -465,7 +465,6 @@ def _step_metrics(
         "clipfrac_low": "actor/clipfrac_low",
         "clipfrac_high": "actor/clipfrac_high",
         "ratio_mean": "actor/ratio_mean",
-        "ratio_max": "actor/ratio_max",
         "pos_mass": "actor/pos_mass",
         "neg_mass": "actor/neg_mass",
         "ref_kl": "actor/ref_kl",

@@ -140,7 +140,9 @@ def optimizer_update(
     if per_step_search and len(micro) > 1:
         bounds = solve_bounds(model, micro, spec, temperature, ctx.group)
     weights: list[tuple[dict[str, Any], float]] = []
-    finite = True
+    finite: Tensor | None = (
+        None  # on the device; read once after the loop (no per-micro-batch sync)
+    )
     for i, mb in enumerate(micro):
         with ctx.no_sync(model, last=i == len(micro) - 1):
             logp, entropy = token_logprobs(model, mb, temperature, entropy=True)
@@ -165,9 +167,10 @@ def optimizer_update(
                 kl = _k3(logp, ref_logp, mb.mask)
                 loss = loss + spec.kl_coef * kl / norm["global_tokens"]
                 m["ref_kl"] = kl.detach() / max(mb.num_tokens, 1)
-            if not torch.isfinite(loss):  # keep going (DDP ranks must stay in step), skip below
-                finite = False
-                loss = (logp * 0.0).sum()
+            # a non-finite loss back-propagates non-finite gradients: the step is skipped below
+            # (every rank keeps going, so DDP ranks stay in step)
+            ok = torch.isfinite(loss.detach())
+            finite = ok if finite is None else finite & ok
             loss.backward()
             c_low, c_high = _bounds_used(spec, bounds, m)
             m["c_low"], m["c_high"] = c_low, c_high
@@ -186,7 +189,8 @@ def optimizer_update(
             m["staleness_sum"], m["staleness_max"] = stale.sum(), stale.max()
             weights.append((m, float(mb.num_tokens)))
     grad_norm = _grad_norm(model, grad_clip)
-    (all_finite,) = ctx.max([0.0 if finite else 1.0])  # any rank non-finite → every rank skips
+    is_finite = finite is None or bool(finite)
+    (all_finite,) = ctx.max([0.0 if is_finite else 1.0])  # any rank non-finite → all skip
     skipped = all_finite > 0 or not math.isfinite(grad_norm)
     if not skipped:
         optimizer.step()

@@ -60,27 +60,15 @@ def _global_batch(model: torch.nn.Module) -> list[Sample]:
     return samples
 
 
-SPEC = LossSpec(
-    "bapo",
-    {
-        "dual_clip": 3.0,
-        "agg": "token-mean",
-        "rho0": 0.6,
-        "low_range": (0.6, 0.9),
-        "high_range": (1.2, 3.0),
-        "low_step": 0.02,
-        "high_step": 0.05,
-        "weighting": "none",
-    },
-    search={
-        "rho0": 0.6,
-        "low_range": (0.6, 0.9),
-        "high_range": (1.2, 3.0),
-        "low_step": 0.02,
-        "high_step": 0.05,
-        "weighting": "none",
-    },
-)
+SEARCH = {
+    "rho0": 0.6,
+    "low_range": (0.6, 0.9),
+    "high_range": (1.2, 3.0),
+    "low_step": 0.02,
+    "high_step": 0.05,
+    "weighting": "none",
+}
+SPEC = LossSpec("bapo", {"dual_clip": 3.0, "agg": "token-mean", **SEARCH}, search=SEARCH)
 
 
 def _update(samples: list[Sample], ctx: DistContext, micro_size: int) -> tuple[dict, list]:

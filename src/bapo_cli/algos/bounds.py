@@ -65,7 +65,7 @@ instead of a share, and searches per micro-batch. Here: gradient-carrying tokens
 first, a share, and per optimizer step over the whole mini-batch and all ranks (per micro-batch is
 still available as the cheaper approximation: call `adaptive_bounds` on each micro-batch).
 
-Run it: ``bapo train algo=bapo``; use it from another trainer: see docs/how-bapo-is-implemented.md.
+Run it: ``bapo train algo=bapo``; use it from another trainer: see README "How BAPO is implemented".
 """
 
 from __future__ import annotations
