@@ -5,11 +5,13 @@ Metric keys are namespaced with `/` (design.md: reward/mean, actor/entropy, bapo
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
 import os
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -139,6 +141,14 @@ MAX_BATCH_METRICS = 1000  # MLflow's limit of metrics per log_batch call
 DELIVERY_TIMEOUT_S = 30.0  # close(): how long to keep retrying a store that is down
 RETRY_INTERVAL_S = 1.0  # close(): pause between attempts
 UNDELIVERED_FILE = "undelivered_metrics.jsonl"  # one JSON object per metric never delivered
+# A long outage must not grow memory without bound either: past `MAX_PENDING_METRICS` queued
+# metrics, the oldest (whole steps) move to `SPILL_FILE` in the run dir, same records as
+# `UNDELIVERED_FILE`, and are delivered from there first once the store answers (see
+# `MlflowTracker._spill` for why that is exactly-once). Without a run dir they stay in memory.
+MAX_PENDING_METRICS = 100_000  # metrics held in memory while the store is down (~25 MB)
+SPILL_FILE = "pending_metrics.jsonl"  # append-only journal of spilled metrics, oldest first
+SPILL_OFFSET_FILE = "pending_metrics.offset"  # byte offset of the journal's first undelivered line
+JOURNAL_KEYS = {"run_id", "key", "value", "step", "timestamp"}  # a record, in both files
 # MLflow's REST client retries a refused connection 7 times with exponential backoff and waits
 # 120 s for an answer: minutes of stalled training per flush while a server is down. These apply
 # to http(s) URIs unless the user set the variable (read by mlflow.utils.rest_utils on each call).
@@ -186,6 +196,7 @@ class MlflowTracker:
         flush_every: int = 10,
         run_dir: Path | None = None,  # where undelivered metrics are written at close
         delivery_timeout_s: float | None = None,  # None: DELIVERY_TIMEOUT_S
+        max_pending: int | None = None,  # metrics kept in memory; None: MAX_PENDING_METRICS
     ) -> None:
         from mlflow.tracking import MlflowClient
 
@@ -202,7 +213,13 @@ class MlflowTracker:
         self.client = MlflowClient(tracking_uri=uri)
         self.uri = uri
         self.flush_every = flush_every
-        self._pending: list[Any] = []
+        self._pending: list[Any] = []  # queued metrics in memory, oldest first
+        self.max_pending = MAX_PENDING_METRICS if max_pending is None else max_pending
+        self._journal: Path | None = None  # SPILL_FILE while it holds undelivered metrics
+        self._journal_offset = 0  # bytes of the journal already delivered
+        self._journal_size = 0  # bytes of the journal that are whole records
+        self._spilled = 0  # metrics in the journal past the offset (all older than _pending)
+        self._warned_unbounded = False
         self._steps_since_flush = 0
         self.logged_until = -1  # steps at or below this are already in the store
         if run_id is not None:  # resume: the same run, reopened
@@ -214,6 +231,8 @@ class MlflowTracker:
             exp_id = ensure_experiment(self.client, experiment)
             run = self.client.create_run(exp_id, run_name=run_name, tags=tags or {})
             self.run_id = run.info.run_id
+        if run_dir is not None:
+            self._recover_journal()
 
     def log_params(self, params: dict[str, str]) -> None:
         from mlflow.entities import Param
@@ -237,6 +256,8 @@ class MlflowTracker:
         self._steps_since_flush += 1
         if self._steps_since_flush >= self.flush_every:
             self.flush()
+        if len(self._pending) > self.max_pending:
+            self._spill()
 
     def flush(self) -> None:
         """Send the buffered metrics; if the store is down, keep them for the next flush."""
@@ -244,10 +265,18 @@ class MlflowTracker:
         self._deliver()
 
     def _deliver(self) -> bool:
-        """Send pending metrics oldest first; True once none is left. Never raises."""
+        """Send queued metrics oldest first (the journal, then memory); True once none is left.
+        Never raises."""
         sent = 0
-        while self._pending:
-            chunk = self._pending[:MAX_BATCH_METRICS]
+        while self._spilled or self._pending:
+            from_journal = self._spilled > 0
+            if from_journal:
+                read = self._read_journal(MAX_BATCH_METRICS)
+                if read is None:  # unreadable: set aside, the rest goes on
+                    continue
+                chunk, end = read
+            else:
+                chunk = self._pending[:MAX_BATCH_METRICS]
             try:
                 self.client.log_batch(self.run_id, metrics=chunk)
             except Exception as exc:  # any store failure: training goes on, metrics stay queued
@@ -259,10 +288,13 @@ class MlflowTracker:
                         "next flush, training goes on",
                         self.uri,
                         describe_failure(exc),
-                        len(self._pending),
+                        self._spilled + len(self._pending),
                     )
                 return False
-            del self._pending[: len(chunk)]
+            if from_journal:
+                self._advance_journal(end, len(chunk))
+            else:
+                del self._pending[: len(chunk)]
             sent += len(chunk)
         if self._down_since is not None:
             logger.warning(
@@ -273,6 +305,211 @@ class MlflowTracker:
             )
             self._down_since = None
         return True
+
+    # ---- the spill journal
+    def _spill(self) -> None:
+        """Move the oldest queued metrics to the journal so that at most `max_pending` stay in
+        memory. Whole steps move (a step is never split between journal and memory), so the
+        journal holds only steps older than any in memory.
+
+        Why delivery from the journal is exactly-once, also across a crash:
+        - The journal is append-only: `<run_dir>/pending_metrics.jsonl`, one record per line
+          (the `undelivered_metrics.jsonl` format, original timestamps kept). Metrics leave
+          memory only after their lines are written, so a failed write loses nothing.
+        - `pending_metrics.offset` holds the byte offset of the first line not yet delivered. It
+          is advanced (atomically: temporary file, then `os.replace`) only after `log_batch`
+          accepted the chunk before it. A crash before the advance resends that chunk: exact
+          duplicates (same key, value, step, timestamp), which MLflow's SQL store drops, as for
+          any resent batch. A crash after it resends nothing; nothing is skipped either, since the
+          offset never passes a line that was not accepted.
+        - Fully delivered, the journal is deleted, then the offset file; a new journal ignores
+          an offset file left from a crash between the two (`_start_journal` deletes it).
+        - A crash mid-append leaves at most a partial last line: those metrics were still in
+          memory (and are lost with it, as any metric queued in memory at a crash); it is cut
+          off when the journal is read back (`_recover_journal`).
+        A tracker that resumes the same run in the same run dir (`trainer.resume=true`) takes the
+        journal over and delivers it first; its steps then count as logged, so the steps that
+        training replays are not logged twice. A journal of another run goes to
+        `undelivered_metrics.jsonl`. Not covered: a power cut (nothing is fsynced).
+        """
+        excess = len(self._pending) - self.max_pending
+        if excess <= 0:
+            return
+        if self.run_dir is None and self._journal is None:
+            if not self._warned_unbounded:
+                self._warned_unbounded = True
+                logger.warning(
+                    "tracking: %d metrics waiting for %s and no run dir to spill them to; they "
+                    "stay in memory, without a cap",
+                    len(self._pending),
+                    self.uri,
+                )
+            return
+        n = excess
+        while n < len(self._pending) and self._pending[n].step == self._pending[n - 1].step:
+            n += 1
+        path = self._journal or Path(self.run_dir) / SPILL_FILE  # type: ignore[arg-type]
+        data = "".join(json.dumps(self._record(m)) + "\n" for m in self._pending[:n]).encode()
+        try:
+            if self._journal is None:
+                self._start_journal(path)
+            with path.open("ab") as f:
+                if f.seek(0, os.SEEK_END) != self._journal_size:
+                    f.truncate(self._journal_size)  # the rest of an append that failed
+                f.write(data)
+                f.flush()
+            self._journal_size += len(data)
+        except OSError as exc:  # these metrics stay in memory; the next append cuts any rest
+            if not self._warned_unbounded:
+                self._warned_unbounded = True
+                logger.warning(
+                    "tracking: cannot spill metrics to %s (%s); they stay in memory, without a cap",
+                    path,
+                    exc.strerror or exc,
+                )
+            if self._spilled == 0:
+                self._journal = None
+            return
+        if self._journal is None:
+            self._journal = path
+            logger.warning(
+                "tracking: more than %d metrics waiting for %s; the oldest go to %s until it "
+                "answers",
+                self.max_pending,
+                self.uri,
+                path,
+            )
+        del self._pending[:n]
+        self._spilled += n
+
+    def _start_journal(self, path: Path) -> None:
+        self._journal_offset = self._journal_size = 0  # the first append empties the file
+        path.parent.mkdir(parents=True, exist_ok=True)
+        (path.parent / SPILL_OFFSET_FILE).unlink(missing_ok=True)  # left by a crash: not ours
+
+    def _record(self, m: Any) -> dict[str, Any]:
+        record = {"run_id": self.run_id, "key": m.key, "value": m.value}
+        record.update(step=m.step, timestamp=m.timestamp)
+        return record
+
+    @staticmethod
+    def _journal_lines(path: Path, offset: int) -> Iterator[tuple[dict[str, Any], int]]:
+        """(record, end offset) for each complete line from `offset` on."""
+        with path.open("rb") as f:
+            f.seek(offset)
+            for line in f:
+                if not line.endswith(b"\n"):  # a partial last line (a crash mid-append)
+                    return
+                offset += len(line)
+                record = json.loads(line)
+                if not isinstance(record, dict) or not record.keys() >= JOURNAL_KEYS:
+                    raise ValueError(f"not a metric record at byte {offset - len(line)}")
+                yield record, offset
+
+    def _read_journal(self, limit: int) -> tuple[list[Any], int] | None:
+        """Up to `limit` metrics from the journal's offset, and the offset after them; None (and
+        one warning) if it cannot be read."""
+        from mlflow.entities import Metric
+
+        assert self._journal is not None
+        chunk: list[Any] = []
+        end = self._journal_offset
+        error: BaseException = ValueError("it ends early")
+        try:
+            for r, line_end in self._journal_lines(self._journal, self._journal_offset):
+                chunk.append(Metric(r["key"], float(r["value"]), int(r["timestamp"]), r["step"]))
+                end = line_end
+                if len(chunk) >= min(limit, self._spilled):
+                    break
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            error = exc  # the lines before it still go; the next read stops here
+        if chunk:
+            return chunk, end
+        self._set_journal_aside(error)
+        return None
+
+    def _set_journal_aside(self, error: BaseException) -> None:
+        """Stop using a journal that cannot be read: renamed aside if it is still there (the
+        metrics in memory go on), with one warning."""
+        assert self._journal is not None
+        aside = self._journal.with_name(f"{SPILL_FILE}.unreadable.{int(time.time())}")
+        try:
+            self._journal.replace(aside)
+            where = f"moved to {aside}"
+        except FileNotFoundError:
+            where = "lost (the file is gone)"
+        except OSError:
+            where = "left there"
+        with contextlib.suppress(OSError):
+            (self._journal.parent / SPILL_OFFSET_FILE).unlink()
+        logger.warning(
+            "tracking: %d spilled metrics in %s cannot be read (%s); %s",
+            self._spilled,
+            self._journal,
+            describe_failure(error),
+            where,
+        )
+        self._journal, self._journal_offset, self._journal_size, self._spilled = None, 0, 0, 0
+
+    def _advance_journal(self, end: int, delivered: int) -> None:
+        """Record that the journal is delivered up to byte `end`; delete it once all is."""
+        assert self._journal is not None
+        self._journal_offset = end
+        self._spilled -= delivered
+        offset_file = self._journal.parent / SPILL_OFFSET_FILE
+        try:
+            if self._spilled == 0:
+                self._journal.unlink(missing_ok=True)
+                offset_file.unlink(missing_ok=True)
+            else:
+                tmp = offset_file.with_name(offset_file.name + ".tmp")
+                tmp.write_text(f"{end}\n", encoding="utf-8")
+                os.replace(tmp, offset_file)
+        except OSError:  # the offset stays in memory; after a crash, resent chunks are dropped
+            pass
+        if self._spilled == 0:
+            self._journal, self._journal_offset, self._journal_size = None, 0, 0
+
+    def _recover_journal(self) -> None:
+        """A journal left in the run dir by a process that crashed: taken over if it is this
+        run's (a resume), else its metrics go to `undelivered_metrics.jsonl`."""
+        assert self.run_dir is not None
+        path = Path(self.run_dir) / SPILL_FILE
+        offset_file = path.parent / SPILL_OFFSET_FILE
+        if not path.is_file():
+            with contextlib.suppress(OSError):  # a stale one, or a run dir that cannot exist
+                offset_file.unlink(missing_ok=True)
+            return
+        try:
+            offset = int(offset_file.read_text(encoding="utf-8"))
+            if not 0 <= offset <= path.stat().st_size:
+                raise ValueError(offset)
+        except (OSError, ValueError):
+            offset = 0  # from the start: delivered chunks are resent and dropped by the store
+        count, last_step, end, run_ids = 0, -1, offset, set()
+        try:
+            for r, line_end in self._journal_lines(path, offset):
+                count, last_step, end = count + 1, max(last_step, int(r["step"])), line_end
+                run_ids.add(r["run_id"])
+            with path.open("r+b") as f:
+                f.truncate(end)  # a partial last line: its metrics died with that process
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            self._journal, self._spilled = path, count
+            self._set_journal_aside(exc)
+            return
+        self._journal, self._journal_offset, self._spilled = path, offset, count
+        self._journal_size = end
+        if count == 0:
+            self._advance_journal(end, 0)
+        elif run_ids == {self.run_id}:
+            self.logged_until = max(self.logged_until, last_step)
+            logger.warning(
+                "tracking: %d metrics an earlier process spilled to %s are delivered first",
+                count,
+                path,
+            )
+        else:
+            self._write_undelivered()
 
     def log_text(self, text: str, artifact_file: str) -> None:
         try:
@@ -303,7 +540,7 @@ class MlflowTracker:
                 if time.monotonic() >= deadline:
                     break
                 time.sleep(max(min(RETRY_INTERVAL_S, deadline - time.monotonic()), 0.0))
-            if not self._pending and error is not None:
+            if not (self._pending or self._spilled) and error is not None:
                 logger.warning(
                     "tracking: run %s could not be ended in %s (%s); it stays RUNNING there",
                     self.run_id,
@@ -311,35 +548,59 @@ class MlflowTracker:
                     describe_failure(error),
                 )
         finally:
-            if self._pending:
+            if self._pending or self._spilled:
                 self._write_undelivered()
 
+    def _queued_records(self) -> Iterator[dict[str, Any]]:
+        """Every undelivered metric as a record, oldest first: the journal's, then memory's. A
+        journal that cannot be read is set aside (one warning) and the rest still comes."""
+        if self._journal is not None and self._spilled:
+            try:
+                lines = self._journal_lines(self._journal, self._journal_offset)
+                for n, (record, _) in enumerate(lines):
+                    if n >= self._spilled:
+                        break
+                    yield record
+            except (OSError, ValueError, KeyError, TypeError) as exc:
+                self._set_journal_aside(exc)
+        for m in self._pending:
+            yield self._record(m)
+
     def _write_undelivered(self) -> None:
-        steps = sorted({m.step for m in self._pending})
+        """Append every undelivered metric (the journal's, then memory's) to `UNDELIVERED_FILE`
+        once, delete the journal, and say so in one warning."""
+        steps = sorted({r["step"] for r in self._queued_records()})
+        count = self._spilled + len(self._pending)  # after an unreadable journal was set aside
+        journal = self._journal
+        run_dir = self.run_dir if self.run_dir is not None else journal and journal.parent
         where = "lost (no run dir given)"
-        if self.run_dir is not None:
-            path = Path(self.run_dir) / UNDELIVERED_FILE
+        if run_dir and count:
+            path = Path(run_dir) / UNDELIVERED_FILE
             try:
                 path.parent.mkdir(parents=True, exist_ok=True)
                 with path.open("a", encoding="utf-8") as f:
-                    for m in self._pending:
-                        record = {"run_id": self.run_id, "key": m.key, "value": m.value}
-                        record.update(step=m.step, timestamp=m.timestamp)
+                    for record in self._queued_records():
                         f.write(json.dumps(record) + "\n")
                 where = f"written to {path}"
+                if journal is not None:
+                    self._advance_journal(self._journal_size, self._spilled)  # deletes it
             except OSError as exc:
                 where = f"lost: cannot write {path} ({exc.strerror or exc})"
-        logger.warning(
-            "tracking: %d metrics of steps %d-%d (%d steps) not delivered to %s; %s; the run stays "
-            "RUNNING there",
-            len(self._pending),
-            steps[0],
-            steps[-1],
-            len(steps),
-            self.uri,
-            where,
-        )
+                if journal is not None:
+                    where += f"; {self._spilled} of them stay in {journal}"
+        if count:
+            logger.warning(
+                "tracking: %d metrics of steps %d-%d (%d steps) not delivered to %s; %s; the run "
+                "stays RUNNING there",
+                count,
+                steps[0],
+                steps[-1],
+                len(steps),
+                self.uri,
+                where,
+            )
         self._pending = []
+        self._journal, self._journal_offset, self._journal_size, self._spilled = None, 0, 0, 0
 
 
 def ensure_experiment(client: Any, name: str) -> str:
