@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from bapo_cli.config import hydra_runner, schema
-from bapo_cli.config.preflight import PreflightError, preflight
+from bapo_cli.config.preflight import Preflight, PreflightError, preflight
 
 FUZZED: Counter[str] = Counter()
 KEYS = [key for key, *_ in schema.option_docs(schema.TrainConfig)]
@@ -105,17 +105,21 @@ OVERRIDE = st.one_of(
 COMMAND_LINES = st.lists(OVERRIDE, min_size=1, max_size=4)
 
 
-def check_preflight(overrides: list[str]) -> str:
+def check_preflight(overrides: list[str], multirun: bool = False) -> str:
     """'ok' or 'rejected'; anything else fails the test (that is the bug the fuzzing hunts)."""
+    return "rejected" if checked_or_none(overrides, multirun) is None else "ok"
+
+
+def checked_or_none(overrides: list[str], multirun: bool = False) -> Preflight | None:
+    """The Preflight, or None after checking that the rejection is one readable line."""
     try:
-        preflight("train", overrides)
+        return preflight("train", overrides, multirun=multirun)
     except PreflightError as exc:
         line = str(exc)
         assert line.strip(), f"empty error for {overrides!r}"
         assert "\n" not in line and "\r" not in line, f"{overrides!r} -> {line!r}"
         assert "Traceback" not in line
-        return "rejected"
-    return "ok"
+        return None
 
 
 @settings(FUZZ, max_examples=400)
@@ -124,11 +128,57 @@ def test_preflight_composes_or_says_one_line(overrides: list[str]) -> None:
     FUZZED[check_preflight(overrides)] += 1
 
 
-@pytest.mark.parametrize("override", ["algo=glob(?)", "staleness=glob(9*)", "model=glob(*)"])
-def test_glob_group_choices_get_one_line(override: str) -> None:
+@pytest.mark.parametrize(
+    ("override", "single", "sweep"),
+    [
+        ("algo=glob(?)", "rejected", "rejected"),  # matches nothing
+        ("staleness=glob(9*)", "rejected", "rejected"),
+        ("model=glob(*)", "rejected", "ok"),  # a sweep: fine with -m only
+        ("algo=glob(*,exclude=ppo)", "rejected", "ok"),
+        ("algo.rho0=glob(*)", "rejected", "rejected"),  # not a config group
+        ("glob(*)", "rejected", "rejected"),
+    ],
+)
+def test_glob_group_choices_get_one_line(override: str, single: str, sweep: str) -> None:
     """Found by the fuzzing: `algo=glob(?)` escaped preflight as Hydra's 'ConfigLoader is not set'
-    (a traceback from `bapo config`)."""
-    assert check_preflight([override]) == "rejected"
+    (a traceback from `bapo config`). With `-m` a glob over a group is a sweep of its options."""
+    assert check_preflight([override]) == single
+    assert check_preflight([override], multirun=True) == sweep
+
+
+GLOB_PATTERN = st.one_of(
+    st.sampled_from(
+        [
+            "*",
+            "?",
+            "*p*",
+            "b*",
+            "[b,g]*",
+            "1*",
+            "*,exclude=ppo",
+            "*,exclude=[0,8]",
+            "[0,4]",
+            "include=*,exclude=[g*,h*]",
+            "[]",
+            "*,exclude=*",
+            "exclude=x",
+        ]
+    ),
+    st.text(st.sampled_from("*?[]!,=_abcgiopx01248'\" ()"), max_size=10),
+)
+
+
+@settings(FUZZ, max_examples=50)
+@given(st.sampled_from(["algo", "staleness", "rollout"]), GLOB_PATTERN)
+def test_glob_sweeps_compose_or_say_one_line(group: str, pattern: str) -> None:
+    """`-m group=glob(<garbage>)`: one line, or a sweep whose every job is an option of the group
+    (never a ConfigStore schema such as `algo=_bapo_schema`)."""
+    override = f"{group}=glob({pattern})"
+    checked = checked_or_none([override], multirun=True)
+    FUZZED["glob " + ("rejected" if checked is None else "ok")] += 1
+    if checked is not None:
+        choices = [job[0].partition("=")[2].strip("'") for job in checked.jobs]
+        assert choices and set(choices) <= set(GROUPS[group]), (override, choices)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -146,6 +196,7 @@ CLI_CASES = [
     ["++trainer.lr={a:", "data=arith"],
     ["~algo"],
     ["algo=glob(?)"],  # found by the fuzzing: a traceback from Hydra before the fix
+    ["algo.rho0=glob(*)"],  # glob sweeps a config group's options only
     ["algo=bapo", "trainer.lr=1e-3"],  # a good one: exit 0
 ]
 

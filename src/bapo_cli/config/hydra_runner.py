@@ -61,7 +61,8 @@ def normalize_overrides(overrides: list[str]) -> list[str]:
     """Make the overrides users type work unchanged in Hydra, and pin the output root.
 
     - `staleness=4` / `staleness=0,4,8`: Hydra parses 4 as an int and refuses it as a group
-      choice, so the integers of numeric groups are quoted (`staleness='4'`).
+      choice, so the integers of numeric groups are quoted (`staleness='4'`), also in a glob
+      (`staleness=glob(*,exclude=8)`); a pattern such as `glob(1*)` is left as typed.
     - `paths.output_root` is made absolute (default `./outputs`, or $BAPO_OUTPUT_ROOT) in the
       launching process, so launchers that start jobs elsewhere (SLURM) write to the same place.
     """
@@ -72,7 +73,7 @@ def normalize_overrides(overrides: list[str]) -> list[str]:
         key, sep, value = raw.partition("=")
         bare = key.lstrip("+~")
         if sep and bare in numeric:
-            value = re.sub(r"(?<![\w'\".])(\d+)(?![\w'\".])", r"'\1'", value)
+            value = re.sub(r"(?<![\w'\".*?])(\d+)(?![\w'\".*?])", r"'\1'", value)
         if sep and bare == "paths.output_root":
             has_root = True
             value = str(Path(os.path.expanduser(value)).resolve())
@@ -121,22 +122,38 @@ def expand_sweep(overrides: list[str]) -> list[list[str]] | None:
     """The override list of every job a basic-sweeper multirun would launch.
 
     None when another sweeper is selected (e.g. Optuna's `interval(...)` cannot be enumerated):
-    then only the base config is validated up front and each trial validates itself.
+    then only the base config is validated up front and each trial validates itself. A
+    `group=glob(...)` is expanded the way the basic sweeper does it, against the options Hydra's
+    config loader lists (schemas in the ConfigStore included); the CLI turns the globs typed on
+    its command line into explicit choices first (`preflight.expand_globs`).
     """
     from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
     from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.core.override_parser.types import ValueType
 
     if any(o.lstrip("+").startswith("hydra/sweeper=") for o in overrides):
         sweeper = next(o for o in overrides if o.lstrip("+").startswith("hydra/sweeper="))
         if not sweeper.endswith("=basic"):
             return None
     parsed = OverridesParser.create().parse_overrides(overrides)
-    if any(
-        o.is_sweep_override() and not o.is_choice_sweep() and not o.is_range_sweep() for o in parsed
-    ):
-        return None  # interval(...)/glob: the selected sweeper samples them
+    if any(o.is_sweep_override() and not o.is_discrete_sweep() for o in parsed):
+        return None  # interval(...): the selected sweeper samples it
+    if any(o.value_type == ValueType.GLOB_CHOICE_SWEEP for o in parsed):
+        parser = OverridesParser.create(config_loader=_config_loader())
+        parsed = parser.parse_overrides(overrides)
     batches = BasicSweeper.split_arguments(parsed, max_batch_size=None)
     return [list(job) for batch in batches for job in batch]
+
+
+def _config_loader() -> Any:
+    """The config loader a Hydra run over conf/ creates (it lists a group's options for glob)."""
+    from hydra._internal.config_loader_impl import ConfigLoaderImpl
+    from hydra._internal.utils import create_config_search_path
+
+    from bapo_cli.config import schema
+
+    schema.register()
+    return ConfigLoaderImpl(config_search_path=create_config_search_path(str(config_dir())))
 
 
 def run(

@@ -2,11 +2,13 @@
 
 `preflight()` is what the CLI runs first. For a multirun it composes and validates the config of
 every job the basic sweeper would launch, so `bapo train -m algo.rho0=0.3,1.5` fails before job 0
-starts, not halfway through a sweep.
+starts, not halfway through a sweep. A `group=glob(...)` sweep is first turned into the explicit
+list of the group's options it matches (`expand_globs`), which is what Hydra is then handed.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,6 +29,7 @@ class Preflight:
     overrides: list[str]  # normalised, ready for Hydra
     config: Any  # validated dataclass of the first (or only) job
     num_jobs: int | None  # None when the sweeper samples (Optuna)
+    jobs: list[list[str]] | None = None  # a multirun's jobs (overrides each), as validated
 
 
 def to_validated(cfg: DictConfig) -> Any:
@@ -52,17 +55,16 @@ def check_group_choices(overrides: list[str]) -> None:
     groups = set(hydra_runner.config_groups())
     for override in parsed:
         group = override.key_or_group
-        if group not in groups or override.is_delete() or override.package:
+        if override.is_delete():
+            continue
+        value = override.value()
+        if isinstance(value, Glob):  # `algo=glob(*)`: checked here, expanded by expand_globs
+            glob_options(override)
+            continue
+        if group not in groups or override.package:
             continue
         valid = hydra_runner.group_options(group)
-        value = override.value()
-        if isinstance(value, Glob):  # `algo=glob(*)`: Hydra expands it against the options
-            values = value.filter(valid)
-            if not values:
-                raise PreflightError(
-                    f"{override.input_line}: matches no option; valid: {', '.join(valid)}"
-                )
-        elif override.is_sweep_override():
+        if override.is_sweep_override():
             values = [getattr(v, "text", v) for v in override.sweep_iterator()]
         else:
             values = value if isinstance(value, list) else [value]
@@ -71,6 +73,78 @@ def check_group_choices(overrides: list[str]) -> None:
                 continue
             if str(value) not in valid:
                 raise PreflightError(f"{group}={value}: unknown option; valid: {', '.join(valid)}")
+
+
+def glob_options(override: Any) -> list[str]:
+    """The options a parsed `group=glob(...)` selects: Hydra's own `Glob.filter` over the group's
+    options (conf/<group>/*.yaml, sorted as Hydra sorts them). A glob on a key that is not a
+    config group, or one that matches nothing, is a PreflightError."""
+    from hydra.core.override_parser.types import Glob
+
+    groups = hydra_runner.config_groups()
+    group = override.key_or_group
+    if group not in groups:
+        raise PreflightError(
+            f"{override.input_line}: glob() sweeps the options of a config group "
+            f"({', '.join(groups)}), and {group} is not one; sweep values as a,b,c or range(...)"
+        )
+
+    def patterns(items: list[Any]) -> list[str]:
+        # `staleness=glob(*,exclude=[0,8])`: ints, or the strings the CLI quoted, which
+        # fnmatch refuses as they come out of Hydra's parser
+        return [str(getattr(item, "text", item)) for item in items]
+
+    typed = override.value()
+    glob = Glob(include=patterns(typed.include), exclude=patterns(typed.exclude))
+    valid = hydra_runner.group_options(group)
+    selected = glob.filter(valid)
+    if not selected:
+        raise PreflightError(f"{override.input_line}: matches no option; valid: {', '.join(valid)}")
+    return selected
+
+
+def expand_globs(overrides: list[str]) -> list[str]:
+    """`algo=glob(*)` -> `algo=bapo,clip_higher,grpo,ppo`, in place, for a multirun.
+
+    Hydra's basic sweeper would expand the glob against every option its config loader lists,
+    and that list holds the schemas registered in the ConfigStore (`algo=_bapo_schema`, ...)
+    too. Handing Hydra the explicit choice sweep instead means it launches exactly the jobs
+    preflight validated, in the same order, whatever the sweeper (Optuna gets a categorical).
+    """
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.core.override_parser.types import Glob
+
+    parser = OverridesParser.create()
+    out = []
+    for line in overrides:
+        override = parser.parse_override(line)
+        if override.is_delete() or not isinstance(override.value(), Glob):
+            out.append(line)
+            continue
+        options = ",".join(_as_element(parser, o) for o in glob_options(override))
+        out.append(f"{override.get_key_element()}={options}")
+    return out
+
+
+def _as_element(parser: Any, option: str) -> str:
+    """An option spelled so that Hydra reads back the same string: `bapo`, but `'4'`."""
+    try:
+        if parser.parse_override(f"k={option}").value() == option:
+            return option
+    except Exception:
+        pass
+    return "'" + option.replace("\\", "\\\\").replace("'", "\\'") + "'"
+
+
+def _name_job(line: str, num: int, job: list[str], swept: set[str]) -> str:
+    """`job 1 (algo=clip_higher): algo.rho0: unknown key in algo; ...` when the error does not
+    already start with one of the job's swept overrides (`algo.rho0=7.0: must be ...`)."""
+    mine = [o for o in job if o.partition("=")[0] in swept]
+    keys = [o.partition("=")[0].lstrip("+~") for o in mine]
+    if not mine or any(re.match(re.escape(k) + "[=:]", line) for k in keys):
+        return line
+    shown = "".join(c if c.isprintable() else ascii(c)[1:-1] for c in " ".join(mine))
+    return f"job {num} ({shown}): {line}"
 
 
 def _compose_checked(config_name: str, overrides: list[str]) -> Any:
@@ -96,6 +170,7 @@ def preflight(config_name: str, overrides: list[str], *, multirun: bool = False)
         return Preflight(overrides, _compose_checked(config_name, overrides), 1)
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
+    overrides = expand_globs(overrides)
     parsed = OverridesParser.create().parse_overrides(overrides)
     fixed = [o.input_line for o in parsed if not o.is_sweep_override()]
     try:  # a preset may declare the sweep itself (hydra.sweeper.params), or pick another sweeper
@@ -109,8 +184,18 @@ def preflight(config_name: str, overrides: list[str], *, multirun: bool = False)
         raise PreflightError(f"cannot expand the sweep: {explain(exc)}") from exc
     if jobs is None:  # a sampling sweeper: validate what is fixed; each trial checks itself
         return Preflight(overrides, _compose_checked(config_name, fixed), None)
+    swept = {
+        o.get_key_element()
+        for o in OverridesParser.create().parse_overrides(declared + overrides)
+        if o.is_sweep_override()
+    }
     first = None
-    for job in jobs:
-        config = _compose_checked(config_name, job)
+    for num, job in enumerate(jobs):
+        try:
+            config = _compose_checked(config_name, job)
+        except PreflightError as exc:
+            if len(jobs) == 1:
+                raise
+            raise PreflightError(_name_job(str(exc), num, job, swept)) from exc
         first = first if first is not None else config
-    return Preflight(overrides, first, len(jobs))
+    return Preflight(overrides, first, len(jobs), jobs)
