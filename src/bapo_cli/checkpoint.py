@@ -30,12 +30,19 @@ def step_dir(root: Path, step: int) -> Path:
     return root / f"step_{step:06d}"
 
 
-def save(root: Path, step: int, model: Any, tokenizer: Any, state: dict[str, Any]) -> Path:
+def save(
+    root: Path,
+    step: int,
+    model: Any,
+    tokenizer: Any,
+    state: dict[str, Any],
+    weights: dict[str, Any] | None = None,  # a full state dict gathered from shards (FSDP2)
+) -> Path:
     final = step_dir(root, step)
     tmp = final.with_name(final.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    model.save_pretrained(tmp, safe_serialization=True)
+    model.save_pretrained(tmp, state_dict=weights, safe_serialization=True)
     tokenizer.save_pretrained(tmp)
     torch.save(state, tmp / STATE_FILE)
     (tmp / MARKER).write_text(str(step))

@@ -102,13 +102,18 @@ def train(
         False, "--multirun", "-m", help="Run a Hydra sweep (one job per combination)."
     ),
     nproc: int = typer.Option(
-        1, "--nproc", help="Data-parallel processes on this machine (re-runs itself via torchrun)."
+        0,
+        "--nproc",
+        help="Data-parallel processes on this machine: re-runs itself via torchrun (1 = one "
+        "process in a process group, e.g. NCCL/FSDP2 on one GPU); 0 = this process.",
     ),
 ) -> None:
     """Train a policy with the composed config (conf/train.yaml)."""
     from bapo_cli import jobs
 
-    if nproc > 1 and "WORLD_SIZE" not in os.environ:
+    if nproc < 0:
+        raise _fail(f"--nproc {nproc}: must be >= 0 (0 = no torchrun)")
+    if nproc >= 1 and "WORLD_SIZE" not in os.environ:
         if multirun:
             raise _fail("--nproc and -m together: run the sweep's jobs one torchrun at a time")
         _preflight("train", overrides)  # bad input fails here, before N processes start

@@ -12,9 +12,26 @@ every rank clips with identical bounds, equal to one process on the global batch
 are averaged over ranks (maxima take the max); rank 0 alone logs, prints and writes checkpoints
 (each rank's RNG, data position and regime buffers go into the same checkpoint).
 
-Backends: gloo on CPU, NCCL on CUDA (one GPU per local rank). Not supported (yet): partial
-rollouts under data parallelism (ranks would finish different numbers of groups per step) and
-FSDP2 sharding.
+Prompts: each rank reads its own strided share of the one seeded prompt stream (rank r takes
+global positions r, r + W, r + 2W, ...), so ranks never share a prompt and a regime that draws
+different counts on different ranks (partial rollouts top up their own pools) stays disjoint.
+
+Strategies (`trainer.strategy`):
+- ddp (default): every rank holds the whole model; DDP all-reduces gradients once per update
+  (`no_sync` on the other micro-batches). Buffers are not broadcast per forward (a causal LM's
+  buffers are constants), so forwards carry no collective and ranks may score different numbers
+  of micro-batches (partial rollouts).
+- fsdp2: `torch.distributed.fsdp.fully_shard` on every decoder layer and on the policy as root:
+  parameters, gradients and AdamW state are sharded; master weights stay float32 and forwards run
+  in `model.dtype` (MixedPrecisionPolicy; gradients reduced in float32). Every forward gathers
+  parameters, so ranks must run the same number of micro-batches (partial rollouts are refused).
+  Rollout and validation run inside `gathered()`: the full weights are all-gathered once, kept
+  for the whole generation phase (no collective per token; ranks may generate different amounts)
+  and freed after. Checkpoints gather a full state dict (HF weights, optimizer by parameter name)
+  on rank 0.
+
+Backends: gloo on CPU, NCCL on CUDA (one GPU per local rank). Under torchrun even a single
+process (`--nproc 1`) joins a process group, so the NCCL/FSDP2 code path runs on one GPU too.
 """
 
 from __future__ import annotations
@@ -28,6 +45,7 @@ import torch
 import torch.distributed as dist
 
 MAX_KEYS = ("staleness/max", "actor/ratio_max")
+STRATEGIES = ("ddp", "fsdp2")
 
 
 @dataclass
@@ -35,10 +53,16 @@ class DistContext:
     rank: int = 0
     world_size: int = 1
     local_rank: int = 0
+    strategy: str = "ddp"
+    launched: bool = False  # started by torchrun: in a process group even with one rank
 
     @property
     def enabled(self) -> bool:
-        return self.world_size > 1
+        return self.world_size > 1 or self.launched
+
+    @property
+    def sharded(self) -> bool:
+        return self.enabled and self.strategy == "fsdp2"
 
     @property
     def is_main(self) -> bool:
@@ -52,33 +76,102 @@ class DistContext:
         """This rank's share of a global list: items rank, rank + W, rank + 2W, ..."""
         return items[self.rank :: self.world_size] if self.enabled else items
 
-    def wrap(self, module: torch.nn.Module) -> torch.nn.Module:
+    def wrap(
+        self, module: torch.nn.Module, compute_dtype: torch.dtype | None = None
+    ) -> torch.nn.Module:
+        """The policy's `ResponseLogits` made data-parallel: DDP-wrapped, or sharded in place
+        (fsdp2; `compute_dtype` is the forward's parameter dtype, the stored one stays)."""
         if not self.enabled:
             return module
+        if self.strategy == "fsdp2":
+            return _fully_shard(module, compute_dtype)
         from torch.nn.parallel import DistributedDataParallel
 
         device_ids = [self.local_rank] if torch.cuda.is_available() else None
-        return DistributedDataParallel(module, device_ids=device_ids)
+        return DistributedDataParallel(module, device_ids=device_ids, broadcast_buffers=False)
 
     def no_sync(self, module: torch.nn.Module, last: bool) -> contextlib.AbstractContextManager:
-        """Skip DDP's gradient all-reduce on every micro-batch but the last of an update."""
-        if self.enabled and not last:
+        """Skip DDP's gradient all-reduce on every micro-batch but the last of an update. (FSDP2
+        reduce-scatters every micro-batch: its sharded gradients accumulate; skipping would hold
+        full-size gradients.)"""
+        if self.enabled and self.strategy == "ddp" and not last:
             return module.no_sync()
         return contextlib.nullcontext()
+
+    @contextlib.contextmanager
+    def gathered(self, module: torch.nn.Module):
+        """fsdp2: the full weights on every rank for the block (generation, validation, weight
+        sync to an engine) — one all-gather on entry, none per forward inside, freed on exit.
+        Every rank must enter; inside, ranks may run different numbers of forwards. A no-op
+        otherwise."""
+        if not self.sharded:
+            yield
+            return
+        from torch.distributed.fsdp import FSDPModule
+
+        parts = [m for m in module.modules() if isinstance(m, FSDPModule)]
+        for m in parts:
+            m.unshard()
+            m.set_reshard_after_forward(False, recurse=False)
+        try:
+            yield
+        finally:
+            for m in parts:  # FSDP2's defaults: the root keeps its weights until backward
+                m.reshard()
+                m.set_reshard_after_forward(m is not module, recurse=False)
+
+    def full_state(
+        self, model: torch.nn.Module, optimizer: torch.optim.Optimizer
+    ) -> tuple[dict[str, Any] | None, dict[str, Any]]:
+        """(model weights, optimizer state) to checkpoint. fsdp2: full, gathered from the shards
+        by every rank (a collective) and present on rank 0 only; weights None = the model's own
+        (not sharded). `model` is the HF model inside the policy."""
+        if not self.sharded:
+            return None, optimizer.state_dict()
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_model_state_dict,
+            get_optimizer_state_dict,
+        )
+
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        weights = get_model_state_dict(model, options=options)
+        return weights, get_optimizer_state_dict(model, optimizer, options=options)
+
+    def load_optimizer(
+        self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]
+    ) -> None:
+        """Restore what `full_state` saved (fsdp2: each rank keeps its shard of the full state)."""
+        if not self.sharded:
+            optimizer.load_state_dict(state)
+            return
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            set_optimizer_state_dict,
+        )
+
+        options = StateDictOptions(full_state_dict=True)
+        set_optimizer_state_dict(model, optimizer, optim_state_dict=state, options=options)
 
     def sum(self, values: list[float]) -> list[float]:
         if not self.enabled:
             return values
-        t = torch.tensor(values, dtype=torch.float64)
+        t = torch.tensor(values, dtype=torch.float64, device=self._comm_device())
         dist.all_reduce(t)
         return t.tolist()
 
     def max(self, values: list[float]) -> list[float]:
         if not self.enabled:
             return values
-        t = torch.tensor(values, dtype=torch.float64)
+        t = torch.tensor(values, dtype=torch.float64, device=self._comm_device())
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return t.tolist()
+
+    def _comm_device(self) -> torch.device:
+        """NCCL reduces CUDA tensors only; gloo takes host tensors."""
+        if dist.get_backend() == "nccl":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
 
     def mean_metrics(self, metrics: dict[str, float]) -> dict[str, float]:
         """The step's metrics over all ranks: means, and the max for maxima."""
@@ -114,18 +207,61 @@ class DistContext:
             dist.barrier()
 
 
-def from_env() -> DistContext:
+def launched_by_torchrun() -> bool:
+    return "RANK" in os.environ and "MASTER_ADDR" in os.environ
+
+
+def from_env(strategy: str = "ddp") -> DistContext:
     """Join the process group torchrun described in the environment (no-op without torchrun)."""
+    if strategy not in STRATEGIES:
+        raise ValueError(f"trainer.strategy={strategy}: unknown; valid: {', '.join(STRATEGIES)}")
+    if not launched_by_torchrun():
+        return DistContext(strategy=strategy)
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world <= 1:
-        return DistContext()
     rank, local = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
     if not dist.is_initialized():
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         if torch.cuda.is_available():
             torch.cuda.set_device(local)
         dist.init_process_group(backend=backend)
-    return DistContext(rank=rank, world_size=world, local_rank=local)
+    return DistContext(
+        rank=rank, world_size=world, local_rank=local, strategy=strategy, launched=True
+    )
+
+
+def _fully_shard(policy: torch.nn.Module, compute_dtype: torch.dtype | None) -> torch.nn.Module:
+    """FSDP2 on each decoder layer, then on the policy (`ResponseLogits`) as the root: the root
+    group holds what is left (embeddings, final norm, output layer; tied weights stay tied)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    stored = next(policy.parameters()).dtype
+    mp = MixedPrecisionPolicy()
+    if compute_dtype is not None and compute_dtype != stored:
+        mp = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=stored)
+    layers = decoder_layers(policy)
+    for layer in layers:
+        fully_shard(layer, mp_policy=mp)
+    fully_shard(policy, mp_policy=mp)
+    # FSDP2 names its root at the first forward; generation calls the layers without the root,
+    # so run one tiny forward through the root now (every rank, as the all-gather needs).
+    device = next(policy.parameters()).device
+    one = torch.ones((1, 1), dtype=torch.long, device=device)
+    with torch.no_grad():
+        policy(one, one, torch.zeros_like(one))
+    policy.reshard()  # the root keeps gathered weights after a forward; the optimizer needs shards
+    return policy
+
+
+def decoder_layers(policy: torch.nn.Module) -> list[torch.nn.Module]:
+    """The transformer blocks of a HF causal LM (`model.model.layers` for Qwen/Llama/Mistral)."""
+    decoder = policy.model.get_decoder()
+    layers = getattr(decoder, "layers", None) or getattr(decoder, "h", None)
+    if layers is None:
+        raise ValueError(
+            f"trainer.strategy=fsdp2: cannot find the decoder layers of {type(decoder).__name__} "
+            "(expected .layers or .h); use trainer.strategy=ddp"
+        )
+    return list(layers)
 
 
 def shutdown(ctx: DistContext, *, clean: bool = True) -> None:

@@ -77,7 +77,12 @@ def train(
     *,
     tags: dict[str, str] | None = None,  # extra run tags (a sweep job's parent, overrides)
 ) -> TrainResult:
-    ctx = distributed.from_env()  # one process unless started by torchrun
+    ctx = distributed.from_env(cfg.trainer.strategy)  # one process unless started by torchrun
+    if cfg.trainer.strategy == "fsdp2" and not ctx.enabled:
+        raise TrainingError(
+            "trainer.strategy=fsdp2 shards the model over torchrun's processes: launch with "
+            "bapo train --nproc N (N >= 1) or torchrun"
+        )
     console = console or Console()
     if not ctx.is_main:
         console = Console(quiet=True)
@@ -98,14 +103,19 @@ def train(
     # --- model, data, engine -------------------------------------------------------------
     # on resume the policy comes from the checkpoint (HF format), everything else from the config
     model_cfg = cfg.model if resume_from is None else replace(cfg.model, path=str(resume_from))
-    model, tokenizer = models.load_policy(model_cfg)
+    device = models.resolve_device(model_cfg)
+    compute_dtype = models.resolve_dtype(model_cfg, device)
+    # FSDP2 keeps float32 master weights and computes in model.dtype (mixed precision)
+    stored_dtype = torch.float32 if ctx.sharded else compute_dtype
+    model, tokenizer = models.load_policy(model_cfg, device=device, dtype=stored_dtype)
     disable_dropout(model)
     model.train()
     device = next(model.parameters()).device
-    scorer = ctx.wrap(ResponseLogits(model))  # what computes log-probs (DDP under torchrun)
+    ref_model = _reference(model, cfg, compute_dtype)  # before sharding: a plain frozen copy
+    # what computes log-probs: DDP-wrapped or FSDP2-sharded under torchrun
+    scorer = ctx.wrap(ResponseLogits(model), compute_dtype)
     checkpoint.seed_everything(cfg.trainer.seed + ctx.rank)  # ranks sample differently
-    ref_model = _reference(model, cfg)
-    prompts = PromptStream(cfg, tokenizer, console)
+    prompts = PromptStream(cfg, tokenizer, console, rank=ctx.rank, world_size=ctx.world_size)
     engine_name = resolve_engine_name(cfg.rollout.name)
     console.print(f"rollout engine: [bold]{engine_name}[/bold] (rollout={cfg.rollout.name})")
     engine = make_engine(engine_name, model=model, tokenizer=tokenizer, cfg=cfg)
@@ -162,8 +172,8 @@ def train(
         k=cfg.staleness.k,
         epochs=cfg.staleness.ppo_epochs,
         collector=collector,
-        draw=lambda count: ctx.shard(prompts.draw(count)),  # whole groups on one rank
-        prompts_per_step=cfg.trainer.prompts_per_step,
+        draw=prompts.draw,  # this rank's share of the stream: whole groups on one rank
+        prompts_per_step=cfg.trainer.prompts_per_step // ctx.world_size,
     )
 
     # --- optimizer ------------------------------------------------------------------------
@@ -195,7 +205,14 @@ def train(
                 f"(this run has {ctx.world_size})"
             )
         mine = ranks[ctx.rank]
-        optimizer.load_state_dict(saved["optimizer"])
+        written_with = saved.get("strategy", "ddp")
+        if (written_with == "fsdp2") != ctx.sharded:
+            raise checkpoint.CheckpointError(
+                f"checkpoint {resume_from} was written with trainer.strategy={written_with}; "
+                f"resume with the same strategy (this run: {cfg.trainer.strategy}"
+                f"{'' if ctx.enabled else ', one process'})"
+            )
+        ctx.load_optimizer(model, optimizer, saved["optimizer"])
         scheduler.load_state_dict(saved["scheduler"])
         regime.load_state_dict(mine["regime"])
         prompts.load_state_dict(mine["prompts"])
@@ -203,7 +220,8 @@ def train(
         state = TrainState(**saved["state"])
         run_id = saved.get("run_id")
         checkpoint.set_rng_state(mine["rng"])
-        engine.sync_weights(model, state.version)  # tokens sampled from here carry this version
+        with ctx.gathered(scorer):
+            engine.sync_weights(model, state.version)  # tokens sampled from here carry it
         console.print(f"resumed from {resume_from} at step {state.step}")
     try:  # the store must answer at the start; later outages only delay metrics (tracking.py)
         tracker = make_tracker(
@@ -230,16 +248,20 @@ def train(
     val_sets = evaluate.validation_sets(cfg) if cfg.trainer.val_every and ctx.is_main else []
 
     def validation() -> dict[str, float]:
-        return evaluate.validate(
-            val_sets,
-            engine,
-            tokenizer,
-            n=cfg.trainer.val_n,
-            max_tokens=cfg.rollout.max_tokens,
-            max_model_len=cfg.model.max_model_len,
-        )
+        """Rank 0 validates; every rank enters (FSDP2 gathers the full weights for it)."""
+        with ctx.gathered(scorer):
+            if not val_sets:
+                return {}
+            return evaluate.validate(
+                val_sets,
+                engine,
+                tokenizer,
+                n=cfg.trainer.val_n,
+                max_tokens=cfg.rollout.max_tokens,
+                max_model_len=cfg.model.max_model_len,
+            )
 
-    if val_sets and state.step == 0:
+    if cfg.trainer.val_every and state.step == 0:
         tracker.log_metrics(validation(), step=0)
 
     # --- the loop -------------------------------------------------------------------------
@@ -269,7 +291,7 @@ def train(
                 all_updates += updates
                 state.step += 1
                 at_end = state.step == cfg.trainer.max_steps
-                if val_sets and (at_end or state.step % cfg.trainer.val_every == 0):
+                if cfg.trainer.val_every and (at_end or state.step % cfg.trainer.val_every == 0):
                     metrics.update(validation())
                 state.history.append(metrics)
                 if state.step % cfg.trainer.log_every == 0 or state.step == cfg.trainer.max_steps:
@@ -278,6 +300,7 @@ def train(
                 if at_end or (cfg.trainer.save_every and state.step % cfg.trainer.save_every == 0):
                     tracker.flush()
                     ranks = ctx.gather(rank_state())
+                    weights, optim_state = ctx.full_state(model, optimizer)  # all ranks (FSDP2)
                     if ctx.is_main:
                         last_ckpt = checkpoint.save(
                             ckpt_root,
@@ -285,12 +308,14 @@ def train(
                             model,
                             tokenizer,
                             {
-                                "optimizer": optimizer.state_dict(),
+                                "optimizer": optim_state,
                                 "scheduler": scheduler.state_dict(),
                                 "state": state.__dict__,
                                 "run_id": tracker.run_id,
                                 "ranks": ranks,
+                                "strategy": "fsdp2" if ctx.sharded else "ddp",
                             },
+                            weights=weights,
                         )
                     ctx.barrier()
         status = "FINISHED"
@@ -308,11 +333,6 @@ def _check_parallel(cfg: TrainConfig, ctx: distributed.DistContext) -> None:
     """What data parallelism needs: equal shares of whole prompt groups on every rank."""
     if not ctx.enabled:
         return
-    if cfg.staleness.regime == "partial":
-        raise TrainingError(
-            "staleness.regime=partial is not supported with data parallelism yet (ranks would "
-            "finish different numbers of groups per step); use one process"
-        )
     parts = ctx.world_size * (max(cfg.staleness.k, 1) if cfg.staleness.regime == "reuse" else 1)
     if cfg.trainer.prompts_per_step % parts:
         raise TrainingError(
@@ -340,7 +360,8 @@ def _train_step(
     per-update metrics and the samples trained on."""
     t0 = time.perf_counter()
     tokens_before = collector.generated_tokens
-    batch = regime.next_batch()
+    with ctx.gathered(scorer):  # FSDP2: full weights for generation and behaviour scoring
+        batch = regime.next_batch()
     rollout_s = time.perf_counter() - t0
     new_tokens = collector.generated_tokens - tokens_before
     rewards = torch.tensor([s.reward for s in batch], dtype=torch.float64)
@@ -397,7 +418,8 @@ def _train_step(
         update_metrics.append(result.metrics)
         trained_tokens += result.tokens
     train_s = time.perf_counter() - t1
-    sync_s = engine.sync_weights(getattr(scorer, "module", scorer).model, state.version)
+    with ctx.gathered(scorer):  # FSDP2: an engine with its own copy reads the full weights
+        sync_s = engine.sync_weights(getattr(scorer, "module", scorer).model, state.version)
     step_s = time.perf_counter() - t0
     if samples_file is not None:
         _write_samples(samples_file, state.step + 1, batch, cfg.trainer.log_samples)
@@ -517,10 +539,14 @@ def _lr_lambda(warmup: int, total: int, schedule: str):
     return factor
 
 
-def _reference(model: torch.nn.Module, cfg: TrainConfig) -> torch.nn.Module | None:
+def _reference(
+    model: torch.nn.Module, cfg: TrainConfig, dtype: torch.dtype
+) -> torch.nn.Module | None:
+    """The frozen KL reference (algo.kl_coef > 0): a copy of the initial policy in the compute
+    dtype, never sharded (forward only)."""
     if cfg.algo.kl_coef <= 0:
         return None
-    ref = copy.deepcopy(model)
+    ref = copy.deepcopy(model).to(dtype)
     ref.requires_grad_(False)
     return ref
 
@@ -560,7 +586,15 @@ class PromptStream:
     addressed by position, not by step; the order is the prompt set's seeded per-epoch shuffle.
     """
 
-    def __init__(self, cfg: TrainConfig, tokenizer: Any, console: Console) -> None:
+    def __init__(
+        self,
+        cfg: TrainConfig,
+        tokenizer: Any,
+        console: Console,
+        *,
+        rank: int = 0,
+        world_size: int = 1,
+    ) -> None:
         from functools import partial
 
         from bapo_cli.data.datasets import build_prompt_set
@@ -576,10 +610,14 @@ class PromptStream:
                 f"[yellow]prompts: {prompt_set.skipped} unusable rows skipped, {dropped} longer "
                 f"than {limit} tokens dropped; {len(self.prompt_set)} kept[/yellow]"
             )
-        self.position = 0
+        self.position = 0  # prompts this rank has drawn
+        self.rank, self.world_size = rank, world_size
 
     def draw(self, count: int) -> list[Any]:
-        out = self.prompt_set.take(self.position, count)
+        """The next `count` prompts of this rank's share: global positions rank, rank + W, ...
+        (ranks never share a prompt, whatever counts they draw)."""
+        w = self.world_size
+        out = self.prompt_set.take(self.position * w, count * w)[self.rank :: w]
         self.position += count
         return out
 

@@ -261,14 +261,14 @@ def _k3(logp: Tensor, ref_logp: Tensor, mask: Tensor) -> Tensor:
 
 
 def _grad_norm(model: torch.nn.Module, grad_clip: float | None) -> float:
+    """The global gradient norm (clipped to `grad_clip` if set). Under FSDP2 the gradients are
+    sharded DTensors: `clip_grad_norm_` reduces over the shards and returns a DTensor."""
     params = [p for p in model.parameters() if p.grad is not None]
     if not params:
         return 0.0
-    if grad_clip is None:
-        norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in params]))
-    else:
-        norm = torch.nn.utils.clip_grad_norm_(params, grad_clip)
-    return float(norm)
+    norm = torch.nn.utils.clip_grad_norm_(params, grad_clip if grad_clip is not None else math.inf)
+    full = getattr(norm, "full_tensor", None)
+    return float(full() if full is not None else norm)
 
 
 MAX_KEYS = ("ratio_max", "staleness_max")

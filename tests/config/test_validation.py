@@ -53,6 +53,12 @@ RULES = [
         "staleness.k=4",
     ),
     (["trainer.val_every=5"], "trainer.val_benchmarks", "at least one benchmark"),
+    (["trainer.strategy=zero3"], "trainer.strategy=zero3", "ddp, fsdp2"),
+    (
+        ["trainer.strategy=fsdp2", "staleness.regime=partial"],
+        "trainer.strategy=fsdp2",
+        "use trainer.strategy=ddp with staleness.regime=partial",
+    ),
     (["trainer.grad_clip=0"], "trainer.grad_clip=0", "> 0"),
     (["model.dtype=fp8"], "model.dtype=fp8", "auto, float32, bfloat16, float16"),
     (["model.device=tpu"], "model.device=tpu", "auto, cpu, cuda"),

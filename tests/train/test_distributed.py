@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -83,12 +84,20 @@ def _update(samples: list[Sample], ctx: DistContext, micro_size: int) -> tuple[d
     result = optimizer_update(
         scorer, optimizer, micro, SPEC, temperature=1.0, grad_clip=None, version=0, dist_ctx=ctx
     )
-    return result.metrics, [p.detach().clone() for p in model.parameters()]
+    # the share of the weights this rank stores: all of them (DDP) or about 1/W (FSDP2)
+    local = sum(getattr(p, "_local_tensor", p).numel() for p in model.parameters())
+    result.metrics["stored_fraction"] = local / sum(p.numel() for p in model.parameters())
+    return result.metrics, [_full(p).detach().clone() for p in model.parameters()]
 
 
-def _rank(rank: int, world: int, init_file: str, out: str) -> None:
+def _full(p: torch.Tensor) -> torch.Tensor:
+    """A parameter as one whole tensor (FSDP2 keeps each rank's shard in a DTensor)."""
+    return p.full_tensor() if hasattr(p, "full_tensor") else p
+
+
+def _rank(rank: int, world: int, init_file: str, out: str, strategy: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    ctx = DistContext(rank=rank, world_size=world)
+    ctx = DistContext(rank=rank, world_size=world, strategy=strategy)
     samples = _global_batch(_model())
     mine = [s for s in samples if s.group % world == rank]  # whole groups per rank
     metrics, params = _update(mine, ctx, micro_size=6)  # several micro-batches per rank
@@ -98,10 +107,11 @@ def _rank(rank: int, world: int, init_file: str, out: str) -> None:
 
 
 @pytest.mark.slow
-def test_two_gloo_ranks_match_one_process_on_the_global_batch(tmp_path: Path) -> None:
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
+def test_two_gloo_ranks_match_one_process_on_the_global_batch(tmp_path: Path, strategy) -> None:
     out = str(tmp_path / "rank")
     init = tempfile.mktemp(dir=tmp_path)
-    mp.spawn(_rank, args=(2, init, out), nprocs=2, join=True)
+    mp.spawn(_rank, args=(2, init, out, strategy), nprocs=2, join=True)
     single_metrics, single_params = _update(_global_batch(_model()), DistContext(), micro_size=64)
     ranks = [torch.load(f"{out}.{r}", weights_only=False) for r in range(2)]
     for r in ranks:
@@ -110,6 +120,11 @@ def test_two_gloo_ranks_match_one_process_on_the_global_batch(tmp_path: Path) ->
         for a, b in zip(r["params"], single_params, strict=True):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)  # the same update
     assert single_metrics["search_steps"] > 0  # the search really walked
+    stored = [r["metrics"]["stored_fraction"] for r in ranks]
+    if strategy == "fsdp2":  # really sharded: each rank stores about half, together all
+        assert all(0.4 < f < 0.6 for f in stored) and sum(stored) == pytest.approx(1.0)
+    else:
+        assert stored == [1.0, 1.0]
     for a, b in zip(ranks[0]["params"], ranks[1]["params"], strict=True):
         assert torch.equal(a, b)  # ranks stay in lockstep
 
@@ -142,3 +157,88 @@ def test_data_parallel_refuses_what_it_cannot_split(_output_root: Path) -> None:
     )
     assert result.returncode != 0
     assert "must split into 2 ranks" in result.stderr
+
+
+def _nproc_2(run_dir: Path, *overrides: str):
+    return run_bapo(
+        "train",
+        "--nproc",
+        "2",
+        "experiment=smoke",
+        f"hydra.run.dir={run_dir}",
+        *overrides,
+        env={"OMP_NUM_THREADS": "1"},
+        timeout=600,
+    )
+
+
+def _trained(path: Path) -> dict:
+    """The last step's metrics (timings aside) and the weights of a checkpoint."""
+    from safetensors.torch import load_file
+
+    state = torch.load(path / "trainer_state.pt", weights_only=False)
+    last = {k: v for k, v in state["state"]["history"][-1].items() if not k.startswith("perf/")}
+    return {"metrics": last, "weights": load_file(path / "model.safetensors"), "state": state}
+
+
+@pytest.mark.slow
+def test_fsdp2_two_ranks_checkpoint_whole_weights_and_resume_like_an_unbroken_run(
+    tmp_path: Path,
+) -> None:
+    from bapo_cli import checkpoint
+
+    args = ("trainer.strategy=fsdp2", "trainer.max_steps=3", "trainer.save_every=1")
+    whole = _nproc_2(tmp_path / "whole", *args)
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    # a run killed right after its step-2 checkpoint: only that checkpoint survives
+    ckpts = tmp_path / "whole" / "checkpoints"
+    broken = tmp_path / "broken" / "checkpoints"
+    shutil.copytree(checkpoint.step_dir(ckpts, 2), checkpoint.step_dir(broken, 2))
+    resumed = _nproc_2(tmp_path / "broken", *args, "trainer.resume=true")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resumed from" in resumed.stdout
+    a = _trained(checkpoint.step_dir(ckpts, 3))
+    b = _trained(checkpoint.step_dir(broken, 3))
+    assert a["state"]["strategy"] == "fsdp2" and len(a["state"]["ranks"]) == 2
+    assert a["metrics"] == b["metrics"]  # step 3 after a resume: the same numbers
+    assert a["weights"].keys() == b["weights"].keys()
+    for name, tensor in a["weights"].items():
+        assert torch.equal(tensor, b["weights"][name]), name
+    # whole weights (gathered from the shards), loadable by transformers as they are
+    from bapo_cli.models import load_checkpoint
+
+    model, _ = load_checkpoint(checkpoint.step_dir(ckpts, 3))
+    for name, p in model.named_parameters():
+        assert torch.equal(p.detach(), a["weights"][name].to(p.dtype)), name
+    # the optimizer state is stored whole (by parameter name), not one rank's shard
+    optim = a["state"]["optimizer"]["state"]
+    embed = optim["model.embed_tokens.weight"]["exp_avg"]
+    assert embed.shape == model.get_input_embeddings().weight.shape
+
+
+@pytest.mark.slow
+def test_partial_rollouts_run_data_parallel_on_disjoint_prompts(tmp_path: Path) -> None:
+    # budget ceil(4 / 3) = 2 tokens per round: answers of 3+ tokens need two or three rounds
+    result = _nproc_2(
+        tmp_path / "run",
+        "staleness.regime=partial",
+        "staleness.k=2",
+        "rollout.max_tokens=4",
+        "trainer.max_steps=3",
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    state = torch.load(
+        tmp_path / "run" / "checkpoints" / "step_000003" / "trainer_state.pt", weights_only=False
+    )
+    history = state["state"]["history"]
+    assert len(history) == 3 and max(h["staleness/max"] for h in history) >= 1  # spans versions
+    pools = [r["regime"]["pool"] for r in state["ranks"]]
+    problems = [{s.problem.id for s in pool} for pool in pools]
+    assert problems[0].isdisjoint(problems[1])  # ranks never hold the same prompt
+
+
+def test_fsdp2_without_torchrun_says_how_to_launch(_output_root: Path) -> None:
+    result = run_bapo("train", "experiment=smoke", "trainer.strategy=fsdp2", timeout=300)
+    assert result.returncode != 0
+    assert "trainer.strategy=fsdp2 shards the model over torchrun's processes" in result.stderr
+    assert "--nproc N" in result.stderr

@@ -500,6 +500,8 @@ class BoundAccumulator:
             import torch.distributed as dist
 
             sums = sums.clone()
+            if dist.get_backend(group) == "nccl" and sums.device.type != "cuda":
+                sums = sums.cuda()  # a rank with no tokens still joins, on the GPU NCCL needs
             dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=group)
         return sums.tolist()[self._lead :]
 

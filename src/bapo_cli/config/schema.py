@@ -363,6 +363,7 @@ class PathsConfig:
 
 LR_SCHEDULES = ("constant", "cosine")
 OLD_LOGPROBS = ("behaviour", "recompute")
+STRATEGIES = ("ddp", "fsdp2")  # bapo_cli.distributed.STRATEGIES (not imported: keeps torch out)
 
 
 @dataclass
@@ -400,9 +401,15 @@ class TrainerConfig:
     max_skipped_steps: int = opt(
         5, "consecutive non-finite updates (skipped) before training stops with an error"
     )
+    strategy: str = opt(
+        "ddp",
+        "data parallelism under torchrun (bapo train --nproc N): ddp (whole model per rank) or "
+        "fsdp2 (parameters, gradients and optimizer state sharded; float32 master weights)",
+    )
 
     def check(self) -> None:
         _positive("max_steps", self.max_steps)
+        _one_of("strategy", self.strategy, STRATEGIES)
         _positive("warmup_steps", self.warmup_steps, allow_zero=True)
         _one_of("lr_schedule", self.lr_schedule, LR_SCHEDULES)
         _one_of("old_logprob", self.old_logprob, OLD_LOGPROBS)
@@ -485,6 +492,13 @@ class TrainConfig:
                 "trainer.prompts_per_step",
                 self.trainer.prompts_per_step,
                 f"must split into staleness.k={k} mini-batches of whole prompt groups",
+            )
+        if self.trainer.strategy == "fsdp2" and self.staleness.regime == "partial":
+            raise ConfigError(
+                "trainer.strategy",
+                self.trainer.strategy,
+                "fsdp2 needs the same number of micro-batches on every rank, which partial "
+                "rollouts do not give: use trainer.strategy=ddp with staleness.regime=partial",
             )
 
 

@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# The GPU checks, as one short script for a lent CUDA machine with PyTorch + transformers but no
+# internet and no vLLM: the loss speed, `bapo train` on CUDA (one process, DDP and FSDP2 on NCCL),
+# an FSDP2 checkpoint + resume, and one optimizer update on a 0.5B-shaped model (bf16 vs FSDP2
+# mixed precision; PPO vs BAPO).
+#
+# Needs beside the repo: .gpu/whl/*.whl (hydra-core, omegaconf, antlr4 4.9.3, math-verify,
+# latex2sympy2_extended: pure-Python wheels) and .gpu/cache (the tiny model, BAPO_CACHE_DIR).
+# Writes its logs under $OUT (default ./gpu_out).
+set -uo pipefail
+OUT=${OUT:-gpu_out}
+mkdir -p "$OUT"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site \
+    .gpu/whl/*.whl || exit 1
+export PYTHONPATH=/tmp/site:$PWD/src:$PWD PYTHONUNBUFFERED=1 COLUMNS=160
+export BAPO_CACHE_DIR=$PWD/.gpu/cache BAPO_OUTPUT_ROOT=/tmp/bapo_out
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
+
+step() { echo; echo "=== $1 ($(date +%T))"; }
+TRAIN=(experiment=smoke tracking=none trainer.max_steps=20 trainer.prompts_per_step=32 rollout.n=8
+       trainer.micro_batch_size=64 algo=bapo staleness=2)
+
+step "loss speed (bench_loss, cuda)"
+timeout 120 python3 benchmarks/bench_loss.py --device cuda --repeats 20 2>&1 | tee "$OUT/bench_loss.txt"
+
+step "bapo train, one process (bf16 weights)"
+timeout 150 python3 -m bapo_cli train "${TRAIN[@]}" hydra.run.dir=/tmp/r_single 2>&1 \
+    | tee "$OUT/train_single.txt" | tail -25
+step "bapo train --nproc 1, DDP on NCCL"
+timeout 150 python3 -m bapo_cli train --nproc 1 "${TRAIN[@]}" hydra.run.dir=/tmp/r_ddp 2>&1 \
+    | tee "$OUT/train_ddp.txt" | tail -25
+step "bapo train --nproc 1, FSDP2 on NCCL (fp32 master, bf16 compute), checkpoint at 10 and 20"
+timeout 150 python3 -m bapo_cli train --nproc 1 "${TRAIN[@]}" trainer.strategy=fsdp2 \
+    trainer.save_every=10 hydra.run.dir=/tmp/r_fsdp 2>&1 | tee "$OUT/train_fsdp2.txt" | tail -25
+step "FSDP2 resume from step 10 into a new run dir: step 20 must equal the unbroken run"
+mkdir -p /tmp/r_resume/checkpoints && cp -r /tmp/r_fsdp/checkpoints/step_000010 /tmp/r_resume/checkpoints/
+timeout 150 python3 -m bapo_cli train --nproc 1 "${TRAIN[@]}" trainer.strategy=fsdp2 \
+    trainer.save_every=10 trainer.resume=true hydra.run.dir=/tmp/r_resume 2>&1 | tail -5
+python3 - <<'EOF' 2>&1 | tee "$OUT/compare.txt"
+import torch
+def last(d):
+    s = torch.load(f"{d}/checkpoints/step_000020/trainer_state.pt", weights_only=False)
+    return {k: v for k, v in s["state"]["history"][-1].items() if not k.startswith("perf/")}
+runs = {n: last(f"/tmp/r_{n}") for n in ("single", "ddp", "fsdp", "resume")}
+for key in ("reward/mean", "actor/entropy", "actor/c_low", "actor/c_high", "bapo/rho"):
+    print(key, {n: round(m.get(key, float("nan")), 6) for n, m in runs.items()})
+print("single == ddp (same bf16 math):", runs["single"] == runs["ddp"])
+print("fsdp2 resume == unbroken:", runs["fsdp"] == runs["resume"])
+EOF
+
+step "one optimizer update, Qwen2 0.5B shape, one process, bf16 weights"
+timeout 200 python3 benchmarks/bench_update.py --shape 0.5b --repeats 3 2>&1 | tee "$OUT/update_single.txt"
+step "one optimizer update, Qwen2 0.5B shape, FSDP2 (NCCL, 1 rank), fp32 master + bf16 compute"
+timeout 200 python3 -m torch.distributed.run --standalone --nproc_per_node 1 \
+    benchmarks/bench_update.py --shape 0.5b --strategy fsdp2 --repeats 3 2>&1 \
+    | tee "$OUT/update_fsdp2.txt"
+step "done"
