@@ -6,12 +6,14 @@ model is a randomly initialised Qwen2 of the named shape (nothing is downloaded)
 random tokens with stale behaviour log-probs, so the search has work to do.
 
     python benchmarks/bench_update.py --shape 0.5b                        # one process
+    python benchmarks/bench_update.py --shape 0.5b --precision pure       # bf16 weights
     torchrun --nproc_per_node 1 benchmarks/bench_update.py --strategy fsdp2 --shape 0.5b
     python benchmarks/bench_update.py --shape tiny --device cpu --seqs 8 --prompt 16 --response 16
 
 It answers: what BAPO's search costs next to PPO once the model's forward and backward are in the
-picture (the loss-only numbers are benchmarks/bench_loss.py), and what FSDP2's mixed precision
-(float32 master weights, bfloat16 compute) costs next to plain bfloat16 weights.
+picture (the loss-only numbers are benchmarks/bench_loss.py), and what mixed precision (float32
+weights, bfloat16 compute: autocast, or FSDP2's MixedPrecisionPolicy) costs next to plain
+bfloat16 weights.
 """
 
 from __future__ import annotations
@@ -99,17 +101,25 @@ def main() -> None:
     parser.add_argument("--response", type=int, default=768)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--algos", default="ppo,bapo")
+    parser.add_argument(
+        "--precision",
+        choices=("mixed", "pure"),
+        default="mixed",
+        help="as trainer.precision: float32 weights + bf16 compute, or bf16 weights",
+    )
     args = parser.parse_args()
 
     ctx = distributed.from_env(args.strategy)
     device = torch.device(args.device)
     compute = torch.bfloat16 if device.type == "cuda" else torch.float32
-    stored = torch.float32 if ctx.sharded else compute
+    mixed = args.precision == "mixed" and compute != torch.float32
+    stored = torch.float32 if mixed else compute
+    autocast = compute if mixed and not ctx.sharded else None
     rows = []
     for algo in args.algos.split(","):
         model = make_model(args.shape, device, stored)
         samples = make_batch(model, args, device)
-        scorer = ctx.wrap(ResponseLogits(model), compute)
+        scorer = ctx.wrap(ResponseLogits(model, autocast), compute)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
         spec = loss_spec(algo_config(algo))
         micro = [

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The GPU checks, as one short script for a lent CUDA machine with PyTorch + transformers but no
-# internet and no vLLM: the loss speed, `bapo train` on CUDA (one process, DDP and FSDP2 on NCCL),
-# an FSDP2 checkpoint + resume, and one optimizer update on a 0.5B-shaped model (bf16 vs FSDP2
-# mixed precision; PPO vs BAPO).
+# internet and no vLLM: the loss speed, `bapo train` on CUDA (one process in mixed and pure
+# precision, DDP and FSDP2 on NCCL), an FSDP2 checkpoint + resume, and one optimizer update on a
+# 0.5B-shaped model (mixed vs pure bf16 vs FSDP2; PPO vs BAPO).
 #
 # Needs beside the repo: .gpu/whl/*.whl (hydra-core, omegaconf, antlr4 4.9.3, math-verify,
 # latex2sympy2_extended: pure-Python wheels) and .gpu/cache (the tiny model, BAPO_CACHE_DIR).
@@ -24,9 +24,12 @@ TRAIN=(experiment=smoke tracking=none trainer.max_steps=20 trainer.prompts_per_s
 step "loss speed (bench_loss, cuda)"
 timeout 120 python3 benchmarks/bench_loss.py --device cuda --repeats 20 2>&1 | tee "$OUT/bench_loss.txt"
 
-step "bapo train, one process (bf16 weights)"
+step "bapo train, one process (mixed: fp32 weights, bf16 autocast)"
 timeout 150 python3 -m bapo_cli train "${TRAIN[@]}" hydra.run.dir=/tmp/r_single 2>&1 \
     | tee "$OUT/train_single.txt" | tail -25
+step "bapo train, one process, trainer.precision=pure (bf16 weights)"
+timeout 150 python3 -m bapo_cli train "${TRAIN[@]}" trainer.precision=pure \
+    hydra.run.dir=/tmp/r_pure 2>&1 | tee "$OUT/train_pure.txt" | tail -14
 step "bapo train --nproc 1, DDP on NCCL"
 timeout 150 python3 -m bapo_cli train --nproc 1 "${TRAIN[@]}" hydra.run.dir=/tmp/r_ddp 2>&1 \
     | tee "$OUT/train_ddp.txt" | tail -25
@@ -42,15 +45,22 @@ import torch
 def last(d):
     s = torch.load(f"{d}/checkpoints/step_000020/trainer_state.pt", weights_only=False)
     return {k: v for k, v in s["state"]["history"][-1].items() if not k.startswith("perf/")}
-runs = {n: last(f"/tmp/r_{n}") for n in ("single", "ddp", "fsdp", "resume")}
+runs = {n: last(f"/tmp/r_{n}") for n in ("single", "pure", "ddp", "fsdp", "resume")}
 for key in ("reward/mean", "actor/entropy", "actor/c_low", "actor/c_high", "bapo/rho"):
     print(key, {n: round(m.get(key, float("nan")), 6) for n, m in runs.items()})
-print("single == ddp (same bf16 math):", runs["single"] == runs["ddp"])
+print("single == ddp (same math):", runs["single"] == runs["ddp"])
+for n in ("single", "pure", "fsdp"):
+    s = torch.load(f"/tmp/r_{n}/checkpoints/step_000020/trainer_state.pt", weights_only=False)
+    steps = [h["perf/step_s"] for h in s["state"]["history"][5:]]
+    print(n, "median step s (steps 6-20):", round(sorted(steps)[len(steps) // 2], 4))
 print("fsdp2 resume == unbroken:", runs["fsdp"] == runs["resume"])
 EOF
 
-step "one optimizer update, Qwen2 0.5B shape, one process, bf16 weights"
+step "one optimizer update, Qwen2 0.5B shape, one process, mixed precision"
 timeout 200 python3 benchmarks/bench_update.py --shape 0.5b --repeats 3 2>&1 | tee "$OUT/update_single.txt"
+step "one optimizer update, Qwen2 0.5B shape, one process, pure bf16 weights"
+timeout 200 python3 benchmarks/bench_update.py --shape 0.5b --repeats 3 --precision pure 2>&1 \
+    | tee "$OUT/update_pure.txt"
 step "one optimizer update, Qwen2 0.5B shape, FSDP2 (NCCL, 1 rank), fp32 master + bf16 compute"
 timeout 200 python3 -m torch.distributed.run --standalone --nproc_per_node 1 \
     benchmarks/bench_update.py --shape 0.5b --strategy fsdp2 --repeats 3 2>&1 \

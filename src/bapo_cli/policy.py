@@ -12,6 +12,7 @@ prompt + response, V].
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -88,17 +89,27 @@ class ResponseLogits(torch.nn.Module):
     """The policy as one module whose forward returns the logits at response positions.
 
     This is what DistributedDataParallel wraps (its gradient hooks need the forward to go through
-    the wrapper); a causal LM whose logits are `lm_head(hidden)` (Qwen, Llama, Mistral, ...)."""
+    the wrapper); a causal LM whose logits are `lm_head(hidden)` (Qwen, Llama, Mistral, ...).
+    `autocast`: run the forward in this dtype over float32 weights (mixed precision)."""
 
-    def __init__(self, model: torch.nn.Module) -> None:
+    def __init__(self, model: torch.nn.Module, autocast: torch.dtype | None = None) -> None:
         super().__init__()
         self.model = model
+        self.autocast = autocast
 
     def forward(self, input_ids: Tensor, attention_mask: Tensor, gather_pos: Tensor) -> Tensor:
-        decoder = self.model.get_decoder()
-        hidden = decoder(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
-        index = gather_pos.unsqueeze(-1).expand(-1, -1, hidden.shape[-1])
-        return self.model.get_output_embeddings()(hidden.gather(1, index))  # [b, R, V]
+        with autocast_to(self.autocast, input_ids.device):
+            decoder = self.model.get_decoder()
+            hidden = decoder(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+            index = gather_pos.unsqueeze(-1).expand(-1, -1, hidden.shape[-1])
+            return self.model.get_output_embeddings()(hidden.gather(1, index))  # [b, R, V]
+
+
+def autocast_to(dtype: torch.dtype | None, device: torch.device):
+    """torch.autocast to `dtype` on `device`; a no-op context for None."""
+    if dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device.type, dtype=dtype)
 
 
 def scorer_of(model: torch.nn.Module) -> torch.nn.Module:

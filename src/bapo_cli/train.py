@@ -105,20 +105,23 @@ def train(
     model_cfg = cfg.model if resume_from is None else replace(cfg.model, path=str(resume_from))
     device = models.resolve_device(model_cfg)
     compute_dtype = models.resolve_dtype(model_cfg, device)
-    # FSDP2 keeps float32 master weights and computes in model.dtype (mixed precision)
-    stored_dtype = torch.float32 if ctx.sharded else compute_dtype
+    # mixed precision: float32 weights and optimizer state, forwards in model.dtype (autocast;
+    # FSDP2 casts through its MixedPrecisionPolicy instead)
+    mixed = cfg.trainer.precision == "mixed" and compute_dtype != torch.float32
+    stored_dtype = torch.float32 if mixed else compute_dtype
+    autocast = compute_dtype if mixed and not ctx.sharded else None
     model, tokenizer = models.load_policy(model_cfg, device=device, dtype=stored_dtype)
     disable_dropout(model)
     model.train()
     device = next(model.parameters()).device
     ref_model = _reference(model, cfg, compute_dtype)  # before sharding: a plain frozen copy
     # what computes log-probs: DDP-wrapped or FSDP2-sharded under torchrun
-    scorer = ctx.wrap(ResponseLogits(model), compute_dtype)
+    scorer = ctx.wrap(ResponseLogits(model, autocast), compute_dtype)
     checkpoint.seed_everything(cfg.trainer.seed + ctx.rank)  # ranks sample differently
     prompts = PromptStream(cfg, tokenizer, console, rank=ctx.rank, world_size=ctx.world_size)
     engine_name = resolve_engine_name(cfg.rollout.name)
     console.print(f"rollout engine: [bold]{engine_name}[/bold] (rollout={cfg.rollout.name})")
-    engine = make_engine(engine_name, model=model, tokenizer=tokenizer, cfg=cfg)
+    engine = make_engine(engine_name, model=model, tokenizer=tokenizer, cfg=cfg, autocast=autocast)
     sampling = SamplingParams(
         temperature=cfg.rollout.temperature,
         top_p=cfg.rollout.top_p,

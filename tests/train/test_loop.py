@@ -61,8 +61,11 @@ def preflight_model():
     return preflight("train", []).config.model
 
 
-def test_on_policy_update_has_ratio_exactly_one(tmp_path) -> None:
-    result = run_train(tmp_path, "algo=grpo", "staleness=4", "trainer.max_steps=1")
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])  # bfloat16: autocast over fp32
+def test_on_policy_update_has_ratio_exactly_one(tmp_path, dtype) -> None:
+    result = run_train(
+        tmp_path, "algo=grpo", "staleness=4", "trainer.max_steps=1", f"model.dtype={dtype}"
+    )
     first, later = result.updates[0], result.updates[1:]
     assert first["ratio_mean"] == 1.0 and first["ratio_max"] == 1.0
     assert first["ppo_kl"] == 0.0 and first["clipfrac_low"] == 0.0 == first["clipfrac_high"]
@@ -149,3 +152,31 @@ def test_recompute_old_logprob_makes_the_first_update_on_stale_data_ratio_one(tm
     )
     assert [u["staleness_max"] for u in result.updates] == [0.0, 1.0, 1.0]
     assert all(u["ratio_max"] == 1.0 and u["ratio_mean"] == 1.0 for u in result.updates)
+
+
+@pytest.mark.parametrize("precision", ["mixed", "pure"])
+def test_bfloat16_keeps_small_updates_only_over_float32_weights(tmp_path, precision) -> None:
+    """lr 1e-6 (the paper's): Adam's first step moves each weight by ~1e-6, far below bfloat16's
+    resolution near a weight of 0.05 (~2e-4). Mixed precision keeps float32 weights and keeps the
+    step; pure bfloat16 weights round it away."""
+    result = run_train(
+        tmp_path,
+        "model.dtype=bfloat16",
+        f"trainer.precision={precision}",
+        "trainer.lr=1e-6",
+        "trainer.grad_clip=null",
+        "staleness=0",
+        "trainer.max_steps=1",
+    )
+    start, _ = models.load_policy(preflight_model())  # float32 on CPU
+    end, _ = models.load_checkpoint(result.checkpoint, dtype=torch.float32)
+    stored = {"mixed": torch.float32, "pure": torch.bfloat16}[precision]
+    changed = total = 0
+    for a, b in zip(start.parameters(), end.parameters(), strict=True):
+        changed += int((a.to(stored).float() != b).sum())
+        total += a.numel()
+    fraction = changed / total
+    if precision == "mixed":
+        assert fraction > 0.5, fraction
+    else:
+        assert fraction < 0.05, fraction

@@ -363,7 +363,8 @@ class PathsConfig:
 
 LR_SCHEDULES = ("constant", "cosine")
 OLD_LOGPROBS = ("behaviour", "recompute")
-STRATEGIES = ("ddp", "fsdp2")  # bapo_cli.distributed.STRATEGIES (not imported: keeps torch out)
+STRATEGIES = ("ddp", "fsdp2")
+PRECISIONS = ("mixed", "pure")  # bapo_cli.distributed.STRATEGIES (not imported: keeps torch out)
 
 
 @dataclass
@@ -401,6 +402,12 @@ class TrainerConfig:
     max_skipped_steps: int = opt(
         5, "consecutive non-finite updates (skipped) before training stops with an error"
     )
+    precision: str = opt(
+        "mixed",
+        "mixed: float32 weights and AdamW state, forwards in model.dtype (autocast; FSDP2's "
+        "MixedPrecisionPolicy); pure: weights in model.dtype (half the memory, but bfloat16 "
+        "weights round away updates below ~0.4% of a weight, e.g. lr 1e-6)",
+    )
     strategy: str = opt(
         "ddp",
         "data parallelism under torchrun (bapo train --nproc N): ddp (whole model per rank) or "
@@ -410,6 +417,7 @@ class TrainerConfig:
     def check(self) -> None:
         _positive("max_steps", self.max_steps)
         _one_of("strategy", self.strategy, STRATEGIES)
+        _one_of("precision", self.precision, PRECISIONS)
         _positive("warmup_steps", self.warmup_steps, allow_zero=True)
         _one_of("lr_schedule", self.lr_schedule, LR_SCHEDULES)
         _one_of("old_logprob", self.old_logprob, OLD_LOGPROBS)

@@ -19,6 +19,7 @@ from collections.abc import Sequence
 
 import torch
 
+from bapo_cli.policy import autocast_to
 from bapo_cli.rollout.base import (
     ENGINES,
     FINISH_BUDGET,
@@ -36,8 +37,16 @@ class HFEngine:
 
     name = "hf"
 
-    def __init__(self, model: torch.nn.Module, tokenizer, batch_size: int = 256, **_: object):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        tokenizer,
+        batch_size: int = 256,
+        autocast: torch.dtype | None = None,  # mixed precision: sample in this dtype
+        **_: object,
+    ):
         self.model = model
+        self.autocast = autocast
         self.tokenizer = tokenizer
         self.batch_size = batch_size
         self.version = 0
@@ -92,9 +101,10 @@ class HFEngine:
         was_training = self.model.training
         self.model.eval()
         try:
-            generated = self.model.generate(
-                input_ids=input_ids.to(device), attention_mask=attention.to(device), **kwargs
-            )
+            with autocast_to(self.autocast, device):
+                generated = self.model.generate(
+                    input_ids=input_ids.to(device), attention_mask=attention.to(device), **kwargs
+                )
         finally:
             self.model.train(was_training)
         new = generated[:, width:].tolist()

@@ -83,7 +83,9 @@ class VLLMEngine:
     def __init__(self, model: torch.nn.Module, tokenizer: Any, cfg: Any, **_: object) -> None:
         first = next(model.parameters())
         self.on_cuda = first.device.type == "cuda"
-        dtype = first.dtype  # the trainer's: float32 on CPU, bfloat16 on CUDA (model.dtype=auto)
+        # the trainer's compute dtype (float32 on CPU, bfloat16 on CUDA for model.dtype=auto),
+        # not its weights' (float32 master weights under mixed precision)
+        dtype = models.resolve_dtype(cfg.model, first.device)
         rollout = cfg.rollout
         self.sleep_mode = bool(rollout.enable_sleep_mode) and self.on_cuda
         self.max_model_len = int(cfg.model.max_model_len)
