@@ -153,6 +153,21 @@ def test_study_grid_is_27_jobs_seed_outermost() -> None:
     assert (cfg.trainer.lr, cfg.tracking.experiment) == (3e-4, "staleness_study")
 
 
+def test_rho0_study_is_9_bapo_jobs_at_staleness_8() -> None:
+    root = ["paths.output_root=/tmp/x"]
+    declared = hydra_runner.sweeper_params("train", ["experiment=rho0_study", *root])
+    jobs = hydra_runner.expand_sweep(declared + ["experiment=rho0_study", *root])
+    assert len(jobs) == 9
+    assert [next(o for o in job if o.startswith("algo.rho0=")) for job in jobs[:3]] == [
+        "algo.rho0=0.4",
+        "algo.rho0=0.6",
+        "algo.rho0=0.8",
+    ]
+    cfg = preflight("train", ["experiment=rho0_study"]).config
+    assert (cfg.algo.name, cfg.staleness.k, cfg.staleness.regime) == ("bapo", 8, "reuse")
+    assert (cfg.trainer.lr, cfg.trainer.max_steps, cfg.rollout.name) == (3e-4, 100, "hf")
+
+
 def test_invalid_value_in_a_preset_sweep_fails_before_any_job(_output_root: Path) -> None:
     result = run_bapo("train", "-m", "experiment=staleness_study", "trainer.lr=1e-4,-1")
     assert result.returncode == 2
