@@ -2,19 +2,17 @@
 
     torchrun --nproc_per_node 2 -m bapo_cli train ...     (or: bapo train --nproc 2 ...)
 
-Every rank runs the whole loop on its share of the prompts: each step draws the same global list
-of `trainer.prompts_per_step` prompts (same seed on every rank) and rank r keeps prompts r, r+W,
-r+2W, ... so **a prompt's whole group of samples lives on one rank** and group advantages need no
-communication. Gradients are averaged by DDP; the loss of each micro-batch is divided by the
-all-rank token count / W, so the averaged gradient is the gradient of the global mini-batch loss.
-BAPO's bound search sums its two path vectors over all ranks (one all-reduce) before solving, so
-every rank clips with identical bounds, equal to one process on the global batch. Step metrics
-are averaged over ranks (maxima take the max); rank 0 alone logs, prints and writes checkpoints
-(each rank's RNG, data position and regime buffers go into the same checkpoint).
-
-Prompts: each rank reads its own strided share of the one seeded prompt stream (rank r takes
-global positions r, r + W, r + 2W, ...), so ranks never share a prompt and a regime that draws
-different counts on different ranks (partial rollouts top up their own pools) stays disjoint.
+Every rank runs the whole loop on its share of the prompts: rank r reads its own strided share of
+the one seeded prompt stream (global positions r, r + W, r + 2W, ...), so ranks never share a
+prompt, **a prompt's whole group of samples lives on one rank** and group advantages need no
+communication, and a regime that draws different counts on different ranks (partial rollouts top
+up their own pools) stays disjoint. Gradients are averaged over ranks; the loss of each
+micro-batch is divided by the all-rank token count / W, so the averaged gradient is the gradient
+of the global mini-batch loss. BAPO's bound search sums its two path vectors over all ranks (one
+all-reduce) before solving, so every rank clips with identical bounds, equal to one process on
+the global batch. Step metrics are averaged over ranks (maxima take the max); rank 0 alone logs,
+prints and writes checkpoints (each rank's RNG, data position and regime buffers go into the same
+checkpoint).
 
 Strategies (`trainer.strategy`):
 - ddp (default): every rank holds the whole model; DDP all-reduces gradients once per update
@@ -22,13 +20,13 @@ Strategies (`trainer.strategy`):
   buffers are constants), so forwards carry no collective and ranks may score different numbers
   of micro-batches (partial rollouts).
 - fsdp2: `torch.distributed.fsdp.fully_shard` on every decoder layer and on the policy as root:
-  parameters, gradients and AdamW state are sharded; master weights stay float32 and forwards run
-  in `model.dtype` (MixedPrecisionPolicy; gradients reduced in float32). Every forward gathers
-  parameters, so ranks must run the same number of micro-batches (partial rollouts are refused).
-  Rollout and validation run inside `gathered()`: the full weights are all-gathered once, kept
-  for the whole generation phase (no collective per token; ranks may generate different amounts)
-  and freed after. Checkpoints gather a full state dict (HF weights, optimizer by parameter name)
-  on rank 0.
+  parameters, gradients and AdamW state are sharded; with `trainer.precision=mixed` the weights
+  stay float32 and forwards run in `model.dtype` (MixedPrecisionPolicy; gradients reduced in
+  float32). Every forward gathers parameters, so ranks must run the same number of micro-batches
+  (partial rollouts are refused). Rollout and validation run inside `gathered()`: the full
+  weights are all-gathered once, kept for the whole generation phase (no collective per token;
+  ranks may generate different amounts) and freed after. Checkpoints gather a full state dict
+  (HF weights, optimizer by parameter name) on rank 0.
 
 Backends: gloo on CPU, NCCL on CUDA (one GPU per local rank). Under torchrun even a single
 process (`--nproc 1`) joins a process group, so the NCCL/FSDP2 code path runs on one GPU too.
@@ -71,10 +69,6 @@ class DistContext:
     @property
     def group(self) -> Any:
         return dist.group.WORLD if self.enabled else None
-
-    def shard(self, items: list[Any]) -> list[Any]:
-        """This rank's share of a global list: items rank, rank + W, rank + 2W, ..."""
-        return items[self.rank :: self.world_size] if self.enabled else items
 
     def wrap(
         self, module: torch.nn.Module, compute_dtype: torch.dtype | None = None
