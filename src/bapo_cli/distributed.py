@@ -37,6 +37,7 @@ from __future__ import annotations
 import contextlib
 import os
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -205,8 +206,12 @@ def launched_by_torchrun() -> bool:
     return "RANK" in os.environ and "MASTER_ADDR" in os.environ
 
 
-def from_env(strategy: str = "ddp") -> DistContext:
-    """Join the process group torchrun described in the environment (no-op without torchrun)."""
+def from_env(strategy: str = "ddp", timeout_min: float = 60.0) -> DistContext:
+    """Join the process group torchrun described in the environment (no-op without torchrun).
+
+    `timeout_min`: how long a collective waits for the other ranks before failing. Rank 0 works
+    alone while the others wait at their next collective (validation, writing a checkpoint), which
+    on a large model can outlast NCCL's default of 10 minutes."""
     if strategy not in STRATEGIES:
         raise ValueError(f"trainer.strategy={strategy}: unknown; valid: {', '.join(STRATEGIES)}")
     if not launched_by_torchrun():
@@ -217,7 +222,7 @@ def from_env(strategy: str = "ddp") -> DistContext:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         if torch.cuda.is_available():
             torch.cuda.set_device(local)
-        dist.init_process_group(backend=backend)
+        dist.init_process_group(backend=backend, timeout=timedelta(minutes=timeout_min))
     return DistContext(
         rank=rank, world_size=world, local_rank=local, strategy=strategy, launched=True
     )

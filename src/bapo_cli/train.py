@@ -77,7 +77,8 @@ def train(
     *,
     tags: dict[str, str] | None = None,  # extra run tags (a sweep job's parent, overrides)
 ) -> TrainResult:
-    ctx = distributed.from_env(cfg.trainer.strategy)  # one process unless started by torchrun
+    # one process unless started by torchrun
+    ctx = distributed.from_env(cfg.trainer.strategy, cfg.trainer.dist_timeout_min)
     if cfg.trainer.strategy == "fsdp2" and not ctx.enabled:
         raise TrainingError(
             "trainer.strategy=fsdp2 shards the model over torchrun's processes: launch with "

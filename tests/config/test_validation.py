@@ -55,6 +55,7 @@ RULES = [
     (["trainer.val_every=5"], "trainer.val_benchmarks", "at least one benchmark"),
     (["trainer.strategy=zero3"], "trainer.strategy=zero3", "ddp, fsdp2"),
     (["trainer.precision=fp8"], "trainer.precision=fp8", "mixed, pure"),
+    (["trainer.dist_timeout_min=0"], "trainer.dist_timeout_min=0", "> 0"),
     (
         ["trainer.strategy=fsdp2", "staleness.regime=partial"],
         "trainer.strategy=fsdp2",

@@ -272,3 +272,40 @@ def test_vllm_engine_per_rank_gets_the_trained_weights(tmp_path: Path, strategy)
     assert len(history) == 3
     for h in history:  # steps 2 and 3 sample with weights synced after updates
         assert h["rollout/logprob_abs_diff_max"] < 1e-4, h["rollout/logprob_abs_diff_max"]
+
+
+def _wait_for_rank_0(rank: int, port: int, timeout_min: float, out: str) -> None:
+    import os
+    import time
+
+    from bapo_cli import distributed
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1")
+    os.environ.update(MASTER_PORT=str(port), LOCAL_RANK=str(rank))
+    ctx = distributed.from_env("ddp", timeout_min)
+    if rank == 0:
+        time.sleep(4.0)  # rank 0 validating alone
+    try:
+        ctx.barrier()
+        result = "ok"
+    except RuntimeError as err:
+        result = f"error: {err}"
+    Path(f"{out}.{rank}").write_text(result)
+    os._exit(0)  # no teardown handshake with a peer that may have given up
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("timeout_min", "waits"), [(0.02, False), (1.0, True)])
+def test_dist_timeout_is_how_long_ranks_wait_for_rank_0(tmp_path: Path, timeout_min, waits):
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = str(tmp_path / "rank")
+    mp.spawn(_wait_for_rank_0, args=(port, timeout_min, out), nprocs=2, join=True)
+    waited = Path(f"{out}.1").read_text()
+    if waits:
+        assert waited == "ok"
+    else:  # 1.2 s < rank 0's 4 s: rank 1 gives up with an error, it does not hang
+        assert waited.startswith("error:") and "timed out" in waited.lower(), waited

@@ -408,6 +408,11 @@ class TrainerConfig:
         "MixedPrecisionPolicy); pure: weights in model.dtype (half the memory, but bfloat16 "
         "weights round away updates below ~0.4% of a weight, e.g. lr 1e-6)",
     )
+    dist_timeout_min: float = opt(
+        60.0,
+        "under torchrun: minutes a rank waits for the others in a collective before failing (rank "
+        "0 validates and writes checkpoints alone; NCCL's own default is 10)",
+    )
     strategy: str = opt(
         "ddp",
         "data parallelism under torchrun (bapo train --nproc N): ddp (whole model per rank) or "
@@ -418,6 +423,7 @@ class TrainerConfig:
         _positive("max_steps", self.max_steps)
         _one_of("strategy", self.strategy, STRATEGIES)
         _one_of("precision", self.precision, PRECISIONS)
+        _positive("dist_timeout_min", self.dist_timeout_min)
         _positive("warmup_steps", self.warmup_steps, allow_zero=True)
         _one_of("lr_schedule", self.lr_schedule, LR_SCHEDULES)
         _one_of("old_logprob", self.old_logprob, OLD_LOGPROBS)
