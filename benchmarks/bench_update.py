@@ -154,11 +154,8 @@ def main() -> None:
         ms = statistics.median(times) * 1e3
         tokens = args.seqs * args.response * ctx.world_size
         peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else float("nan")
-        bounds = (
-            f"[{result.metrics['c_low']:.2f}, {result.metrics['c_high']:.2f}]"
-            if result is not None
-            else "-"
-        )
+        assert result is not None  # repeats + 1 >= 1 updates ran
+        bounds = f"[{result.metrics['c_low']:.2f}, {result.metrics['c_high']:.2f}]"
         rows.append([algo, f"{ms:.1f}", f"{tokens / ms * 1e3:,.0f}", f"{peak:.1f}", bounds])
         del model, scorer, optimizer, micro, samples
         if device.type == "cuda":
