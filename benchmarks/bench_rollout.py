@@ -49,10 +49,10 @@ def main() -> None:
     import torch
     from rich.console import Console
 
-    from bapo_cli import models
     from bapo_cli.config.preflight import preflight
+    from bapo_cli.models import loading as models
     from bapo_cli.rollout.base import Request, SamplingParams, make_engine
-    from bapo_cli.train import PromptStream
+    from bapo_cli.trainer.train import PromptStream
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--prompts", type=int, default=32)

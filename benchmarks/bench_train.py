@@ -37,7 +37,7 @@ PROMPTS, N, ANSWER_TOKENS, LR = 32, 8, 8, 1e-4
 def bapo_steps(steps: int, seed: int = 0) -> tuple[float, list[float]]:
     """(steps/s after warm-up, reward of every step)."""
     from bapo_cli.config.preflight import preflight
-    from bapo_cli.train import train
+    from bapo_cli.trainer.train import train
 
     overrides = [
         "algo=grpo",
@@ -67,9 +67,9 @@ def trl_steps(steps: int, seed: int = 0) -> tuple[float, list[float]]:
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from bapo_cli import models
     from bapo_cli.config.preflight import preflight
     from bapo_cli.data.tasks import ArithTask, arith_reward
+    from bapo_cli.models import loading as models
 
     cfg = preflight("train", []).config
     model, tokenizer = models.load_policy(cfg.model)

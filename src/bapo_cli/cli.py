@@ -3,7 +3,7 @@
 Every command takes Hydra overrides untouched (`key=v`, `+key=v`, `~key`, `group=option`, sweep
 syntax). The CLI checks them first (bapo_cli.config.preflight) so a bad value costs one line and
 exit code 2, then hands them to Hydra (bapo_cli.config.hydra_runner), which composes, creates the
-run dir and calls the job (bapo_cli.jobs).
+run dir and calls the job (bapo_cli.launch.jobs).
 """
 
 from __future__ import annotations
@@ -81,7 +81,7 @@ def _launch(config_name: str, overrides: list[str] | None, multirun: bool, task)
             task_function=task,
         )
         return
-    from bapo_cli import sweep
+    from bapo_cli.launch import sweep
 
     sweep.run_grouped(checked, list(overrides or []), config_name, task)
 
@@ -109,7 +109,7 @@ def train(
     ),
 ) -> None:
     """Train a policy with the composed config (conf/train.yaml)."""
-    from bapo_cli import jobs
+    from bapo_cli.launch import jobs
 
     if nproc < 0:
         raise _fail(f"--nproc {nproc}: must be >= 0 (0 = no torchrun)")
@@ -150,7 +150,7 @@ def evaluate(
     Several benchmarks in one call (`benchmark=[aime24,aime25]`) run as a multirun: one job and
     one results.json per benchmark.
     """
-    from bapo_cli import jobs
+    from bapo_cli.launch import jobs
 
     overrides, several = _benchmark_list(list(overrides or []))
     _launch("eval", overrides, multirun or several, jobs.eval_job)
@@ -256,7 +256,7 @@ def report(
     """Compare runs: a table (markdown, CSV) and plots per metric, logged to the sweep's parent."""
     import time
 
-    from bapo_cli import report as rep
+    from bapo_cli.tracking import report as rep
 
     if sum(x is not None and x != [] for x in (run_ids, sweep, experiment)) != 1:
         raise _fail("give exactly one of --sweep DIR, --experiment NAME or RUN_ID...")

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from bapo_cli.config.preflight import PreflightError, preflight
-from bapo_cli.evaluate import evaluate
+from bapo_cli.evaluation.evaluate import evaluate
 from tests.conftest import SHARED_DATA, run_bapo
 
 

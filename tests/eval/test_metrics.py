@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from bapo_cli.eval_metrics import (
+from bapo_cli.evaluation.metrics import (
     avg_at_n,
     ks_for,
     maj_at_n,

@@ -19,7 +19,7 @@ from mlflow.tracking import MlflowClient
 
 from bapo_cli import tracking
 from bapo_cli.tracking import MlflowTracker
-from bapo_cli.train import TrainingError, TrainResult
+from bapo_cli.trainer.train import TrainingError, TrainResult
 from tests.faults.conftest import MlflowServer, free_port
 from tests.train.conftest import run_train
 

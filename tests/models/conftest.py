@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from bapo_cli.config.schema import TinyModelConfig
-from bapo_cli.tiny import ensure_tiny
+from bapo_cli.models.tiny import ensure_tiny
 
 
 def _tiny_settings(**overrides) -> TinyModelConfig:

@@ -7,8 +7,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from bapo_cli import models, tiny
 from bapo_cli.config.schema import ModelConfig
+from bapo_cli.models import loading as models
+from bapo_cli.models import tiny
 
 
 def test_device_and_dtype_auto() -> None:

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from bapo_cli import tiny
 from bapo_cli.data.tasks import ArithTask
+from bapo_cli.models import tiny
 
 
 @pytest.fixture(scope="module")

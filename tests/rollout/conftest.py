@@ -14,15 +14,15 @@ from typing import Any
 import pytest
 import torch
 
-from bapo_cli import models
 from bapo_cli.config.preflight import preflight
-from bapo_cli.policy import collate, record_behaviour, token_logprobs
+from bapo_cli.models import loading as models
 from bapo_cli.rollout.base import Generation, Request, Sample
+from bapo_cli.trainer.policy import collate, record_behaviour, token_logprobs
 
 
 @pytest.fixture(scope="session")
 def train_cfg() -> Any:
-    from bapo_cli import tiny
+    from bapo_cli.models import tiny
 
     cfg = preflight("train", ["rollout=vllm"]).config
     tiny.ensure_tiny(cfg.model.tiny, progress=False)

@@ -13,7 +13,7 @@ import pytest
 from rich.console import Console
 
 from bapo_cli.config.preflight import preflight
-from bapo_cli.train import TrainResult, train
+from bapo_cli.trainer.train import TrainResult, train
 from tests.train.conftest import FAST
 
 pytestmark = pytest.mark.slow
@@ -31,7 +31,7 @@ def run(tmp_path: Path, *overrides: str) -> tuple[TrainResult, str]:
 
 
 def test_auto_picks_vllm_and_weights_stay_in_sync_across_steps(tmp_path) -> None:
-    from bapo_cli.plan import resolve_engine
+    from bapo_cli.launch.plan import resolve_engine
     from bapo_cli.rollout.base import resolve_engine_name
 
     assert resolve_engine_name("auto") == "vllm"

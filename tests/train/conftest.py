@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from bapo_cli.config.preflight import preflight
-from bapo_cli.train import TrainResult, train
+from bapo_cli.trainer.train import TrainResult, train
 
 # small batches: every test trains in seconds on 2 cores
 FAST = [
@@ -28,6 +28,6 @@ def run_train(tmp_path: Path, *overrides: str, name: str = "run") -> TrainResult
 @pytest.fixture(scope="session", autouse=True)
 def _tiny_model_built() -> None:
     """Build (or find) the tiny model once, before any test times itself."""
-    from bapo_cli import tiny
+    from bapo_cli.models import tiny
 
     tiny.ensure_tiny(preflight("train", []).config.model.tiny, progress=False)

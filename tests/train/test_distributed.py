@@ -12,10 +12,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from bapo_cli.algos.advantages import REGISTRY as ADVANTAGES
-from bapo_cli.distributed import DistContext
-from bapo_cli.policy import ResponseLogits, collate, token_logprobs
 from bapo_cli.rollout.base import Sample
-from bapo_cli.update import LossSpec, optimizer_update
+from bapo_cli.trainer.distributed import DistContext
+from bapo_cli.trainer.policy import ResponseLogits, collate, token_logprobs
+from bapo_cli.trainer.update import LossSpec, optimizer_update
 from tests.conftest import run_bapo
 
 GROUPS, N = 8, 4
@@ -185,7 +185,7 @@ def _trained(path: Path) -> dict:
 def test_fsdp2_two_ranks_checkpoint_whole_weights_and_resume_like_an_unbroken_run(
     tmp_path: Path,
 ) -> None:
-    from bapo_cli import checkpoint
+    from bapo_cli.trainer import checkpoint
 
     args = ("trainer.strategy=fsdp2", "trainer.max_steps=3", "trainer.save_every=1")
     whole = _nproc_2(tmp_path / "whole", *args)
@@ -205,7 +205,7 @@ def test_fsdp2_two_ranks_checkpoint_whole_weights_and_resume_like_an_unbroken_ru
     for name, tensor in a["weights"].items():
         assert torch.equal(tensor, b["weights"][name]), name
     # whole weights (gathered from the shards), loadable by transformers as they are
-    from bapo_cli.models import load_checkpoint
+    from bapo_cli.models.loading import load_checkpoint
 
     model, _ = load_checkpoint(checkpoint.step_dir(ckpts, 3))
     for name, p in model.named_parameters():
@@ -279,7 +279,7 @@ def _wait_for_rank_0(rank: int, port: int, timeout_min: float, out: str) -> None
     import os
     import time
 
-    from bapo_cli import distributed
+    from bapo_cli.trainer import distributed
 
     os.environ.update(RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1")
     os.environ.update(MASTER_PORT=str(port), LOCAL_RANK=str(rank))

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
-from bapo_cli import checkpoint
-from bapo_cli.train import TrainingError
+from bapo_cli.trainer import checkpoint
+from bapo_cli.trainer.train import TrainingError
 from tests.train.conftest import FAST, run_train
 
 

@@ -8,8 +8,9 @@ import shutil
 import pytest
 import torch
 
-from bapo_cli import checkpoint, models
 from bapo_cli.config import hydra_runner
+from bapo_cli.models import loading as models
+from bapo_cli.trainer import checkpoint
 from tests.train.conftest import run_train
 
 DESIGN_KEYS = [

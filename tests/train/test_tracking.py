@@ -6,7 +6,7 @@ import shutil
 
 from mlflow.tracking import MlflowClient
 
-from bapo_cli import checkpoint
+from bapo_cli.trainer import checkpoint
 from tests.train.conftest import run_train
 from tests.train.test_loop import DESIGN_KEYS
 

@@ -364,7 +364,10 @@ class PathsConfig:
 LR_SCHEDULES = ("constant", "cosine")
 OLD_LOGPROBS = ("behaviour", "recompute")
 STRATEGIES = ("ddp", "fsdp2")
-PRECISIONS = ("mixed", "pure")  # bapo_cli.distributed.STRATEGIES (not imported: keeps torch out)
+PRECISIONS = (
+    "mixed",
+    "pure",
+)  # bapo_cli.trainer.distributed.STRATEGIES (not imported: keeps torch out)
 
 
 @dataclass

@@ -54,7 +54,7 @@ from typing import Any
 
 import torch
 
-from bapo_cli import models
+from bapo_cli.models import loading as models
 from bapo_cli.rollout.base import (
     ENGINES,
     FINISH_BUDGET,

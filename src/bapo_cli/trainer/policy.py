@@ -12,12 +12,12 @@ prompt + response, V].
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
+from bapo_cli.models.loading import autocast_to
 from bapo_cli.rollout.base import Sample
 
 Tensor = torch.Tensor
@@ -103,13 +103,6 @@ class ResponseLogits(torch.nn.Module):
             hidden = decoder(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
             index = gather_pos.unsqueeze(-1).expand(-1, -1, hidden.shape[-1])
             return self.model.get_output_embeddings()(hidden.gather(1, index))  # [b, R, V]
-
-
-def autocast_to(dtype: torch.dtype | None, device: torch.device):
-    """torch.autocast to `dtype` on `device`; a no-op context for None."""
-    if dtype is None:
-        return contextlib.nullcontext()
-    return torch.autocast(device_type=device.type, dtype=dtype)
 
 
 def scorer_of(model: torch.nn.Module) -> torch.nn.Module:

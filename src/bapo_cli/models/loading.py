@@ -1,6 +1,6 @@
 """The policy: load it by HF id, local directory or `tiny`; save and load checkpoints.
 
-    model.path=tiny                      the locally built, warmed-up tiny Qwen2 (bapo_cli.tiny)
+    model.path=tiny                      the locally built, warmed-up tiny Qwen2 (models/tiny.py)
     model.path=/path/to/checkpoint       any HF directory (config.json + weights + tokenizer)
     model.path=Qwen/Qwen2.5-Math-1.5B    a hub id, through the HF cache (needs a network once)
 
@@ -14,6 +14,7 @@ a half-written checkpoint under its final name.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import uuid
@@ -53,7 +54,7 @@ def model_dir(cfg: Any) -> Path | str:
     """What an engine (vLLM) loads for this config: the tiny cache dir (built if missing) or the
     local directory as a Path; a hub id is returned unchanged as a string."""
     if cfg.path == TINY:
-        from bapo_cli.tiny import ensure_tiny
+        from bapo_cli.models.tiny import ensure_tiny
 
         return ensure_tiny(cfg.tiny)
     local = Path(cfg.path).expanduser()
@@ -199,3 +200,10 @@ def _from_pretrained(
 def _first_line(err: BaseException) -> str:
     text = str(err).strip()
     return text.splitlines()[0] if text else type(err).__name__
+
+
+def autocast_to(dtype: torch.dtype | None, device: torch.device):
+    """torch.autocast to `dtype` on `device`; a no-op context for None."""
+    if dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device.type, dtype=dtype)

@@ -5,7 +5,7 @@ The launching process creates the store, the experiment and the parent run befor
 hands the parent's id to every job through `hydra.job.env_set` (so in-process, joblib and SLURM
 jobs all see it), and closes the parent when the sweep ends: FINISHED, FAILED, or KILLED on
 Ctrl-C. Each job's run carries `mlflow.parentRunId`, its overrides, the sweep dir and its job
-number (`bapo_cli.jobs`), which is what `bapo report --sweep DIR` reads back.
+number (`bapo_cli.launch.jobs`), which is what `bapo report --sweep DIR` reads back.
 
     bapo train -m algo.rho0=0.3,0.4,0.5
     bapo train -m experiment=staleness_study hydra/launcher=joblib hydra.launcher.n_jobs=2

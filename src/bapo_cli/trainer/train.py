@@ -28,22 +28,24 @@ import transformers
 from omegaconf import OmegaConf
 from rich.console import Console
 
-from bapo_cli import checkpoint, distributed, evaluate, models
 from bapo_cli.algos import advantages as adv_registry
 from bapo_cli.config.schema import TrainConfig
-from bapo_cli.policy import (
+from bapo_cli.evaluation import evaluate
+from bapo_cli.models import loading as models
+from bapo_cli.rollout.base import Sample, SamplingParams, make_engine, resolve_engine_name
+from bapo_cli.rollout.collect import Collector
+from bapo_cli.staleness.regimes import Regime, make_regime
+from bapo_cli.tracking import describe_failure, flatten, make_tracker
+from bapo_cli.trainer import checkpoint, distributed
+from bapo_cli.trainer.policy import (
     MicroBatch,
     ResponseLogits,
     collate,
     disable_dropout,
     record_behaviour,
 )
-from bapo_cli.progress import TrainProgress, summary_table
-from bapo_cli.rollout.base import Sample, SamplingParams, make_engine, resolve_engine_name
-from bapo_cli.rollout.collect import Collector
-from bapo_cli.staleness.regimes import Regime, make_regime
-from bapo_cli.tracking import describe_failure, flatten, make_tracker
-from bapo_cli.update import LossSpec, loss_spec, optimizer_update, tis_weights
+from bapo_cli.trainer.progress import TrainProgress, summary_table
+from bapo_cli.trainer.update import LossSpec, loss_spec, optimizer_update, tis_weights
 
 
 class TrainingError(RuntimeError):
@@ -447,7 +449,7 @@ def _train_step(
 @torch.no_grad()
 def _recompute(model, mb: MicroBatch, temperature: float) -> torch.Tensor:
     """Decoupled PPO: pi_old re-scored by the current weights when the batch is first used."""
-    from bapo_cli.policy import token_logprobs
+    from bapo_cli.trainer.policy import token_logprobs
 
     logp, _ = token_logprobs(model, mb, temperature)
     return logp

@@ -14,9 +14,9 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 from rich.console import Console
 
-from bapo_cli import plan
 from bapo_cli.config.errors import USAGE_EXIT_CODE, ConfigError
 from bapo_cli.config.preflight import to_validated
+from bapo_cli.launch import plan
 
 
 def _validated(cfg: DictConfig):
@@ -69,16 +69,16 @@ def _job_tags() -> dict[str, str]:
 
 def _user_errors() -> tuple[type[Exception], ...]:
     """Errors whose message is the whole story (bad path, bad data, bad checkpoint)."""
-    from bapo_cli.checkpoint import CheckpointError
     from bapo_cli.data.records import DataError
-    from bapo_cli.models import ModelLoadError
+    from bapo_cli.models.loading import ModelLoadError
+    from bapo_cli.trainer.checkpoint import CheckpointError
 
     return (ModelLoadError, DataError, CheckpointError)
 
 
 def train_job(cfg: DictConfig) -> float:
     """Train; returns the final mean reward (the objective an Optuna sweep maximizes)."""
-    from bapo_cli.train import TrainingError, train
+    from bapo_cli.trainer.train import TrainingError, train
 
     config = _validated(cfg)
     run_dir = _run_dir()
@@ -99,7 +99,7 @@ def train_job(cfg: DictConfig) -> float:
 
 def eval_job(cfg: DictConfig) -> float:
     """Score; returns avg@n (the objective a sweep over eval settings would maximize)."""
-    from bapo_cli.evaluate import evaluate
+    from bapo_cli.evaluation.evaluate import evaluate
 
     config = _validated(cfg)
     run_dir = _run_dir()

@@ -22,8 +22,8 @@ import torch
 
 from bapo_cli.algos import diagnostics, losses
 from bapo_cli.algos.bounds import BapoBounds, BoundAccumulator
-from bapo_cli.distributed import DistContext
-from bapo_cli.policy import MicroBatch, token_logprobs
+from bapo_cli.trainer.distributed import DistContext
+from bapo_cli.trainer.policy import MicroBatch, token_logprobs
 
 Tensor = torch.Tensor
 
@@ -123,7 +123,7 @@ def optimizer_update(
     """Accumulate gradients over the micro-batches, clip, step. Skips a non-finite step.
 
     `model` is the policy's `ResponseLogits` (wrapped in DDP under data parallelism: then the
-    normalisers and BAPO's search cover all ranks' tokens, see `bapo_cli.distributed`)."""
+    normalisers and BAPO's search cover all ranks' tokens, see `bapo_cli.trainer.distributed`)."""
     ctx = dist_ctx or DistContext()
     tokens = sum(mb.num_tokens for mb in micro)
     seqs = sum(len(mb.samples) for mb in micro)

@@ -23,12 +23,13 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from bapo_cli import eval_metrics, models
-from bapo_cli.checkpoint import seed_everything
 from bapo_cli.data.records import DataError, load_records
 from bapo_cli.data.tasks import Problem
+from bapo_cli.evaluation import metrics as eval_metrics
+from bapo_cli.models import loading as models
 from bapo_cli.rewards import extract_answer, grade_many
 from bapo_cli.rollout.base import Request, SamplingParams
+from bapo_cli.trainer.checkpoint import seed_everything
 
 EVAL_TEMPLATE = (
     "{problem}\nPlease reason step by step, and put your final answer within \\boxed{{}}."
