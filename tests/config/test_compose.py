@@ -15,13 +15,14 @@ TRAIN_GROUPS = [
     "staleness",
     "data",
     "rollout",
+    "reward",
     "tracking",
     "trainer",
     "experiment",
     "launcher",
     "sweeper",
 ]
-EVAL_GROUPS = ["model", "benchmark", "rollout", "tracking", "eval"]
+EVAL_GROUPS = ["model", "benchmark", "rollout", "reward", "tracking", "eval"]
 
 
 def _options(groups: list[str]) -> list[tuple[str, str]]:

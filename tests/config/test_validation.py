@@ -45,6 +45,11 @@ RULES = [
     (["rollout.max_tokens=0"], "rollout.max_tokens=0", "> 0"),
     (["rollout.tis_cap=0.5"], "rollout.tis_cap=0.5", ">= 1"),
     (["rollout.name=sglang"], "rollout.name=sglang", "auto, hf, vllm"),
+    (["rollout.max_tokens=64"], "rollout.max_tokens=64", "< model.max_model_len=64"),
+    (["reward.name=python"], "reward.name=python", "must be one of math"),
+    (["reward.timeout_s=0"], "reward.timeout_s=0", "> 0"),
+    (["reward.workers=0"], "reward.workers=0", "[1, 64]"),
+    (["reward.step_budget_s=-1"], "reward.step_budget_s=-1", "> 0"),
     (["trainer.lr=-1e-3"], "trainer.lr=-0.001", "> 0"),
     (["trainer.max_steps=0"], "trainer.max_steps=0", "> 0"),
     (
@@ -87,6 +92,7 @@ def test_rule_names_key_and_allowed_values(overrides, starts, contains) -> None:
 
 EVAL_RULES = [
     (["benchmark=aime26"], "benchmark=aime26", "valid: aime24, aime25, math500"),
+    (["reward.workers=100"], "reward.workers=100", "[1, 64]"),
     (["eval.n=0"], "eval.n=0", ">= 1"),
     (["eval.limit=0"], "eval.limit=0", ">= 1"),
     (["eval.top_p=2"], "eval.top_p=2", "(0, 1]"),
@@ -117,3 +123,47 @@ def test_unknown_launcher_plugin_says_what_to_install() -> None:
         preflight("train", ["hydra/launcher=ray_aws"], multirun=True)
     assert str(info.value).startswith("hydra/launcher=ray_aws: no such option")
     assert "pip install 'bapo-cli[sweep or slurm]'" in str(info.value)
+
+
+def test_reward_group_sets_the_graders_limits() -> None:
+    reward = preflight("train", ["reward.timeout_s=2", "reward.step_budget_s=null"]).config.reward
+    assert (reward.name, reward.timeout_s, reward.workers, reward.step_budget_s) == (
+        "math",
+        2.0,
+        4,
+        None,
+    )
+    assert preflight("eval", ["reward.workers=2"]).config.reward.workers == 2
+
+
+def test_a_step_that_cannot_fit_in_memory_is_refused() -> None:
+    from bapo_cli.config.preflight import STEP_BYTES_PER_TOKEN, step_memory_error
+
+    cfg = preflight("train", ["trainer.prompts_per_step=64", "rollout.n=8"]).config
+    need = 64 * 8 * cfg.rollout.max_tokens * STEP_BYTES_PER_TOKEN
+    assert step_memory_error(cfg, need) is None
+    line = step_memory_error(cfg, need - 1)
+    assert line is not None and "\n" not in line
+    assert line.startswith("trainer.prompts_per_step=64 × rollout.n=8 × rollout.max_tokens=16:")
+    assert step_memory_error(cfg, None) is None  # memory unknown: nothing to compare with
+
+
+def test_absurd_sizes_fail_before_any_model_is_loaded(tmp_path) -> None:
+    import time
+
+    from tests.conftest import run_bapo
+
+    for overrides, starts in [
+        (["rollout.max_tokens=64"], "error: rollout.max_tokens=64: must be < model.max_model_len"),
+        (
+            ["trainer.prompts_per_step=4000000", "rollout.n=1000", "rollout.max_tokens=32"],
+            "error: trainer.prompts_per_step=4000000 × rollout.n=1000 × rollout.max_tokens=32: ",
+        ),
+    ]:
+        t0 = time.perf_counter()
+        # a model path that does not exist: loading it would fail with another message
+        done = run_bapo("train", *overrides, f"model.path={tmp_path}/no-model", "tracking=none")
+        assert done.returncode == 2, done.stderr
+        assert done.stderr.startswith(starts), done.stderr
+        assert len(done.stderr.strip().splitlines()) == 1
+        assert time.perf_counter() - t0 < 60

@@ -176,3 +176,56 @@ def test_unreachable_hub_dataset_names_the_id(monkeypatch) -> None:
 def test_no_source() -> None:
     with pytest.raises(DataError, match="no data source"):
         load_records(path=None, hf_id=None, split="train", fields=FIELDS)
+
+
+def test_an_invalid_byte_costs_its_line_and_the_warning_names_it(tmp_path: Path, caplog) -> None:
+    path = tmp_path / "q.jsonl"
+    good = [json.dumps({"id": i, "problem": f"p{i}", "answer": str(i)}).encode() for i in (1, 2)]
+    bad = b'{"id": 3, "problem": "caf\xe9", "answer": "3"}'  # latin-1 byte: invalid UTF-8
+    after = [
+        json.dumps({"id": i, "problem": "\u00e9t\u00e9", "answer": str(i)}).encode() for i in (4, 5)
+    ]
+    path.write_bytes(b"\n".join([*good, bad, *after]) + b"\n")
+    with caplog.at_level(logging.WARNING, logger="bapo_cli.data.records"):
+        records = load(path)
+    assert [r["id"] for r in records.rows] == ["1", "2", "4", "5"]
+    assert records.rows[2]["problem"] == "\u00e9t\u00e9"  # real UTF-8 after the bad line
+    assert records.reasons == {"invalid UTF-8": 1} and records.lines == {"invalid UTF-8": [3]}
+    assert "skipped 1 of 5 rows (invalid UTF-8: 1 (line 3))" in caplog.text
+
+
+def test_unparsable_jsonl_lines_are_named_by_number(tmp_path: Path, caplog) -> None:
+    rows = [{"id": 1, "problem": "a", "answer": "1"}, "{oops", "", "[1]", "\xff"]
+    path = _jsonl(tmp_path / "q.jsonl", rows)  # "\xff" is written as valid UTF-8 (ÿ)
+    with caplog.at_level(logging.WARNING, logger="bapo_cli.data.records"):
+        records = load(path)
+    assert records.lines == {"unparsable row": [2, 4, 5]}  # the blank line 3 is not a row
+    assert "unparsable row: 3 (lines 2, 4, 5)" in caplog.text
+
+
+def test_datasets_floor_is_a_release_without_loading_scripts() -> None:
+    import tomllib
+    from importlib.metadata import version
+
+    from packaging.requirements import Requirement
+
+    from tests.conftest import REPO
+
+    deps = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
+    (spec,) = [r.specifier for r in map(Requirement, deps) if r.name == "datasets"]
+    assert not spec.contains("3.6.0")  # the last release that ran a dataset's loading script
+    assert spec.contains("4.0.0") and spec.contains(version("datasets"))  # satisfiable here
+
+
+def test_a_dataset_script_is_refused_not_run(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    repo = tmp_path / "evil"
+    repo.mkdir()
+    (repo / "evil.py").write_text(
+        "import pathlib\npathlib.Path(__file__).with_name('RAN').write_text('ran')\n"
+    )
+    with pytest.raises(DataError, match="could not be loaded") as err:
+        load_records(path=None, hf_id=str(repo), split="train", fields=FIELDS)
+    assert "\n" not in str(err.value)
+    assert not (repo / "RAN").exists()

@@ -25,7 +25,17 @@ def test_eval_on_tiny_model_writes_results_and_samples(tmp_path: Path) -> None:
     ).config
     results = evaluate(cfg, tmp_path / "run")
     entry = results["aime24"]
-    assert set(entry) == {"avg@2", "pass@1", "pass@2", "maj@2", "n", "num_problems"}
+    assert set(entry) == {
+        "avg@2",
+        "pass@1",
+        "pass@2",
+        "maj@2",
+        "n",
+        "num_problems",
+        "grade_timeouts",
+        "grade_s",
+    }
+    assert entry["grade_timeouts"] == 0 and entry["grade_s"] >= 0.0  # what grading cost
     assert (entry["n"], entry["num_problems"]) == (2, 5)
     assert entry["avg@2"] == entry["pass@1"]
     assert 0.0 <= entry["pass@1"] <= entry["pass@2"] <= 1.0

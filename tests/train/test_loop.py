@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import shutil
 
@@ -181,3 +182,21 @@ def test_bfloat16_keeps_small_updates_only_over_float32_weights(tmp_path, precis
         assert fraction > 0.5, fraction
     else:
         assert fraction < 0.05, fraction
+
+
+def test_math_grading_is_counted_per_step(tmp_path) -> None:
+    prompts = tmp_path / "p.jsonl"
+    rows = [{"problem": f"{a}+{a}", "answer": str(2 * a)} for a in range(1, 9)]
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    result = run_train(
+        tmp_path,
+        "trainer.max_steps=2",
+        "data.kind=dataset",
+        f"data.path={prompts}",
+        "data.template='{problem}='",
+        "reward.timeout_s=2",
+        "reward.step_budget_s=30",
+    )
+    for step in result.history:  # the tiny model writes no \\boxed{}: all on the fast path
+        assert (step["reward/timeouts"], step["reward/over_budget"]) == (0.0, 0.0)
+        assert 0.0 <= step["perf/grade_s"] < 30.0

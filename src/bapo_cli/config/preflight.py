@@ -4,10 +4,15 @@
 every job the basic sweeper would launch, so `bapo train -m algo.rho0=0.3,1.5` fails before job 0
 starts, not halfway through a sweep. A `group=glob(...)` sweep is first turned into the explicit
 list of the group's options it matches (`expand_globs`), which is what Hydra is then handed.
+
+A training config must also fit the machine (`step_memory_error`): a step's samples, every
+response at `rollout.max_tokens`, need at least `STEP_BYTES_PER_TOKEN` bytes of host memory per
+token for their per-token records; a step that needs more than this machine has is refused.
 """
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -147,6 +152,50 @@ def _name_job(line: str, num: int, job: list[str], swept: set[str]) -> str:
     return f"job {num} ({shown}): {line}"
 
 
+# Per response token a step keeps, in Python lists, its id, its policy version and its behaviour
+# log-prob: three 8-byte list slots plus a 24-byte float object. A lower bound: the int objects,
+# vLLM's own log-probs, the decoded text and the collated tensors (~45 bytes more, on the
+# training device) come on top.
+STEP_BYTES_PER_TOKEN = 48
+
+
+def machine_memory_bytes() -> int | None:
+    """Physical memory of this machine, or its cgroup's limit when lower; None if unknown."""
+    try:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):
+        return None
+    try:
+        limit = open("/sys/fs/cgroup/memory.max").read().strip()  # noqa: SIM115
+    except OSError:
+        limit = "max"
+    return min(total, int(limit)) if limit.isdigit() else total
+
+
+def step_memory_error(cfg: Any, memory_bytes: int | None) -> str | None:
+    """One line when a training step's samples cannot fit in `memory_bytes`, else None.
+
+    Samples per step (`trainer.prompts_per_step` × `rollout.n`) × the response budget
+    (`rollout.max_tokens`) × `STEP_BYTES_PER_TOKEN`: what the step needs when every response
+    runs to its budget, counting only records it cannot do without, so a refusal is certain to
+    be a config that cannot run here."""
+    if memory_bytes is None:
+        return None
+    prompts, n, tokens = cfg.trainer.prompts_per_step, cfg.rollout.n, cfg.rollout.max_tokens
+    need = prompts * n * tokens * STEP_BYTES_PER_TOKEN
+    if need <= memory_bytes:
+        return None
+    return (
+        f"trainer.prompts_per_step={prompts} × rollout.n={n} × rollout.max_tokens={tokens}: a "
+        f"step's responses need at least {_gib(need)} of memory ({STEP_BYTES_PER_TOKEN} bytes "
+        f"per token) and this machine has {_gib(memory_bytes)}; lower one of them"
+    )
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:,.1f} GiB"
+
+
 def _compose_checked(config_name: str, overrides: list[str]) -> Any:
     try:
         cfg = hydra_runner.compose(config_name, overrides)
@@ -157,9 +206,14 @@ def _compose_checked(config_name: str, overrides: list[str]) -> Any:
                 line += f" (install the plugin: pip install 'bapo-cli[{extra}]')"
         raise PreflightError(line) from exc
     try:
-        return to_validated(cfg)
+        config = to_validated(cfg)
     except ConfigError as exc:
         raise PreflightError(exc.line()) from exc
+    if isinstance(config, schema.TrainConfig):
+        line = step_memory_error(config, machine_memory_bytes())
+        if line is not None:
+            raise PreflightError(line)
+    return config
 
 
 def preflight(config_name: str, overrides: list[str], *, multirun: bool = False) -> Preflight:

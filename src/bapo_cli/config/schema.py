@@ -286,6 +286,46 @@ class BenchmarkConfig:
             raise ConfigError("path", None, "a benchmark needs benchmark.path or benchmark.hf_id")
 
 
+# -------------------------------------------------------------------------------------- reward
+
+REWARD_GRADERS = ("math",)
+
+
+@dataclass
+class RewardConfig:
+    """How answers of math prompts and benchmarks are graded, and how long grading may take."""
+
+    name: str = opt(
+        "math",
+        "grader: math (last boxed answer vs the reference, math-verify in worker processes); "
+        "data=arith keeps its instant exact match",
+    )
+    timeout_s: float = opt(
+        5.0,
+        "hard limit per answer compared by math-verify: past it the worker is killed and the "
+        "answer scores 0 (counted in reward/timeouts, eval's grade_timeouts)",
+    )
+    workers: int = opt(
+        4, "math-verify worker processes: a batch's slow answers are compared this many at once"
+    )
+    step_budget_s: float | None = opt(
+        60.0,
+        "training: seconds of grading per step; once spent, the step's answers still waiting for "
+        "math-verify score 0 (counted in reward/over_budget); null = no limit. Not used by eval",
+    )
+
+    def check(self) -> None:
+        _one_of("name", self.name, REWARD_GRADERS)
+        _positive("timeout_s", self.timeout_s)
+        if not 1 <= self.workers <= MAX_GRADER_WORKERS:
+            raise ConfigError("workers", self.workers, f"must be within [1, {MAX_GRADER_WORKERS}]")
+        if self.step_budget_s is not None:
+            _positive("step_budget_s", self.step_budget_s)
+
+
+MAX_GRADER_WORKERS = 64  # each is a Python process holding sympy (~150 MB)
+
+
 # ------------------------------------------------------------------------------------- rollout
 
 ENGINES = ("auto", "hf", "vllm")
@@ -492,11 +532,19 @@ class TrainConfig:
     staleness: StalenessConfig = opt(MISSING, "off-policy regime (staleness=0|1|2|4|8)")
     data: DataConfig = opt(MISSING, "training prompts")
     rollout: RolloutConfig = opt(MISSING, "generation engine and sampling")
+    reward: RewardConfig = opt(MISSING, "answer grading: time limit, workers, step budget")
     tracking: TrackingConfig = opt(MISSING, "MLflow tracking")
     trainer: TrainerConfig = opt(MISSING, "the RL loop")
     paths: PathsConfig = opt(MISSING, "output locations")
 
     def check(self) -> None:
+        if self.rollout.max_tokens >= self.model.max_model_len:
+            raise ConfigError(
+                "rollout.max_tokens",
+                self.rollout.max_tokens,
+                f"must be < model.max_model_len={self.model.max_model_len} (prompt + response "
+                "share the context: leave room for the prompt)",
+            )
         if self.algo.advantage in GROUP_ADVANTAGES and self.rollout.n < 2:
             raise ConfigError(
                 "rollout.n",
@@ -526,6 +574,7 @@ class EvalRunConfig:
     model: ModelConfig = opt(MISSING, "the model to score")
     benchmark: BenchmarkConfig = opt(MISSING, "benchmark=aime24|aime25|math500")
     rollout: RolloutConfig = opt(MISSING, "generation engine (sampling comes from eval.*)")
+    reward: RewardConfig = opt(MISSING, "answer grading: time limit per answer, workers")
     tracking: TrackingConfig = opt(MISSING, "MLflow tracking")
     eval: EvalConfig = opt(MISSING, "samples per problem and sampling")
     paths: PathsConfig = opt(MISSING, "output locations")

@@ -8,8 +8,10 @@ blank strings) makes the row unusable.
 
 Bad input never stops a run that still has usable rows: rows lacking a field or holding an
 unusable value -- and unparsable .jsonl lines -- are skipped, counted per reason and reported in
-one warning. Only when no row is usable, or the file / dataset cannot be read at all, does
-`DataError` (a ValueError) say so in one line naming the source and the fields looked for.
+one warning. A .jsonl file is decoded line by line, so an invalid UTF-8 byte costs its line, not
+the file; the warning names the line numbers of the .jsonl lines it skipped. Only when no row is
+usable, or the file / dataset cannot be read at all, does `DataError` (a ValueError) say so in one
+line naming the source and the fields looked for.
 
 The canonical field `id` is optional: when it is not configured, or a row lacks it, the row's
 index in the source (0-based) is its id.
@@ -45,6 +47,8 @@ class Records:
     skipped: int
     source: str
     reasons: Counter[str] = field(default_factory=Counter)
+    lines: dict[str, list[int]] = field(default_factory=dict)
+    """Line numbers (1-based) of the skipped .jsonl lines, per reason."""
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -76,8 +80,13 @@ def load_records(
 
 # ------------------------------------------------------------------------------------- sources
 
-_BAD_LINE = object()
-"""Marks a .jsonl line that is not a JSON object (counted as unparsable)."""
+
+@dataclass(frozen=True)
+class _BadLine:
+    """A .jsonl line that gives no row: its 1-based number and why (the reason counted)."""
+
+    number: int
+    reason: str
 
 
 def _read_file(path: Path, split: str) -> list[Any]:
@@ -108,14 +117,22 @@ def _read_file(path: Path, split: str) -> list[Any]:
 
 
 def _jsonl_rows(path: Path) -> Iterable[Any]:
-    with path.open(encoding="utf-8") as f:
-        for line in f:
+    """One row per non-blank line, or a `_BadLine`: each line is decoded on its own."""
+    with path.open("rb") as f:
+        for number, raw in enumerate(f, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError:
+                yield _BadLine(number, "invalid UTF-8")
+                continue
             if not line.strip():
                 continue
             try:
-                yield json.loads(line)
+                row = json.loads(line)
             except json.JSONDecodeError:
-                yield _BAD_LINE
+                yield _BadLine(number, "unparsable row")
+                continue
+            yield row if isinstance(row, Mapping) else _BadLine(number, "unparsable row")
 
 
 def _json_rows(path: Path, split: str) -> list[Any]:
@@ -176,7 +193,12 @@ def _select(raw: list[Any], fields: Mapping[str, str], source: str) -> Records:
     id_column = fields.get(ID_FIELD)
     rows: list[dict[str, str]] = []
     reasons: Counter[str] = Counter()
+    lines: dict[str, list[int]] = {}
     for index, item in enumerate(raw):
+        if isinstance(item, _BadLine):
+            reasons[item.reason] += 1
+            lines.setdefault(item.reason, []).append(item.number)
+            continue
         if not isinstance(item, Mapping):
             reasons["unparsable row"] += 1
             continue
@@ -203,9 +225,20 @@ def _select(raw: list[Any], fields: Mapping[str, str], source: str) -> Records:
             + ")"
         )
     if skipped:
-        detail = ", ".join(f"{reason}: {count}" for reason, count in sorted(reasons.items()))
+        detail = ", ".join(
+            f"{reason}: {count}{_where(lines.get(reason))}"
+            for reason, count in sorted(reasons.items())
+        )
         log.warning("%s: skipped %d of %d rows (%s)", source, skipped, len(raw), detail)
-    return Records(rows=rows, skipped=skipped, source=source, reasons=reasons)
+    return Records(rows=rows, skipped=skipped, source=source, reasons=reasons, lines=lines)
+
+
+def _where(numbers: list[int] | None, shown: int = 5) -> str:
+    """` (line 3)`, ` (lines 3, 8, ...)` or nothing."""
+    if not numbers:
+        return ""
+    listed = ", ".join(map(str, numbers[:shown])) + (", ..." if len(numbers) > shown else "")
+    return f" (line{'s' if len(numbers) > 1 else ''} {listed})"
 
 
 def _columns_seen(raw: list[Any]) -> list[str]:

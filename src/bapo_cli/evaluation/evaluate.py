@@ -3,9 +3,11 @@
     benchmark rows → prompts (template, chat template) → engine (n samples each)
         → grade (math-verify, time-limited) → summarize → results.json, samples.jsonl, MLflow
 
-The metrics are pure functions in `eval_metrics`, the grading is `rewards.grade_many`; this module
-only moves data between them. `evaluate_benchmark` is also what the trainer calls for validation
-(`trainer.val_every`), on its own engine and weights.
+The metrics are pure functions in `eval_metrics`, the grading is `rewards.MathGrader.grade_batch`
+(`reward.timeout_s` per answer, `reward.workers` in parallel); this module only moves data between
+them. Each entry also says what grading cost: `grade_timeouts` (answers scored 0 because math-verify
+ran out of time) and `grade_s` (seconds spent grading). `evaluate_benchmark` is also what the
+trainer calls for validation (`trainer.val_every`), on its own engine and weights.
 
 Paper protocol (bapo-spec): AIME 2024 / 2025 averaged over 16 samples (avg@16), temperature 0.6,
 top_p 0.95. Prompts longer than the model's context (model.max_model_len minus the response
@@ -15,6 +17,7 @@ budget) keep their last tokens and are counted in `prompts_truncated`.
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,7 +30,7 @@ from bapo_cli.data.records import DataError, load_records
 from bapo_cli.data.tasks import Problem
 from bapo_cli.evaluation import metrics as eval_metrics
 from bapo_cli.models import loading as models
-from bapo_cli.rewards import extract_answer, grade_many
+from bapo_cli.rewards import GradeReport, MathGrader, extract_answer, grade_batch
 from bapo_cli.rollout.base import Request, SamplingParams
 from bapo_cli.trainer.checkpoint import seed_everything
 
@@ -83,7 +86,7 @@ def evaluate_benchmark(
     n: int,
     params: SamplingParams,
     max_model_len: int,
-    grader: Callable[[list[str], list[str]], list[bool]] = grade_many,
+    grader: Callable[[list[str], list[str]], GradeReport] = grade_batch,
     answer_of: Callable[[str], str | None] = extract_answer,
 ) -> BenchmarkResult:
     """n samples per problem from `engine`, graded; the results.json entry and the sample rows.
@@ -113,11 +116,16 @@ def evaluate_benchmark(
     generations = engine.generate(requests, sampling)
     texts = [tokenizer.decode(g.token_ids, skip_special_tokens=True) for g in generations]
     references = [p.answer for p in problems for _ in range(n)]
-    verdicts = grader(texts, references)
+    t0 = time.perf_counter()
+    report = grader(texts, references)
+    grade_s = time.perf_counter() - t0
+    verdicts = report.verdicts
     answers = [answer_of(t) for t in texts]
     correct = [verdicts[i * n : (i + 1) * n] for i in range(len(problems))]
     extracted = [answers[i * n : (i + 1) * n] for i in range(len(problems))]
     metrics = eval_metrics.summarize(correct, extracted, n)
+    metrics["grade_timeouts"] = report.timeouts
+    metrics["grade_s"] = round(grade_s, 3)
     samples = [
         {
             "problem_id": problems[i // n].id,
@@ -160,16 +168,21 @@ def evaluate(cfg: Any, run_dir: Path, console: Console | None = None) -> dict[st
         seed=cfg.eval.seed,
     )
     seed_everything(cfg.eval.seed)
-    result = evaluate_benchmark(
-        cfg.benchmark.name,
-        problems,
-        engine,
-        tokenizer,
-        template=cfg.eval.template,
-        n=cfg.eval.n,
-        params=params,
-        max_model_len=cfg.model.max_model_len,
-    )
+    grader = MathGrader(timeout_s=cfg.reward.timeout_s, workers=cfg.reward.workers)
+    try:
+        result = evaluate_benchmark(
+            cfg.benchmark.name,
+            problems,
+            engine,
+            tokenizer,
+            template=cfg.eval.template,
+            n=cfg.eval.n,
+            params=params,
+            max_model_len=cfg.model.max_model_len,
+            grader=grader.grade_batch,
+        )
+    finally:
+        grader.close()
     engine.close()
     results = {cfg.benchmark.name: result.metrics}
     (run_dir / "results.json").write_text(json.dumps(results, indent=2) + "\n")
@@ -204,6 +217,9 @@ def results_table(name: str, result: BenchmarkResult, skipped: int = 0) -> Table
     table.add_column("metric")
     table.add_column("value", justify="right")
     for key, value in result.metrics.items():
+        if key.endswith("_s"):
+            table.add_row(key.removesuffix("_s") + " (s)", f"{value:.1f}")
+            continue
         shown = f"{100 * value:.1f}" if isinstance(value, float) else str(value)
         table.add_row(key + (" (%)" if isinstance(value, float) else ""), shown)
     notes = []
@@ -224,20 +240,25 @@ VAL_SAMPLING = SamplingParams(temperature=0.6, top_p=0.95)  # the paper's evalua
 ARITH_VAL_PROBLEMS = 200
 
 
-def _arith_grader(texts: list[str], references: list[str]) -> list[bool]:
+def _arith_grader(texts: list[str], references: list[str]) -> GradeReport:
     from bapo_cli.data.tasks import arith_reward
 
-    return [arith_reward(t, r) > 0 for t, r in zip(texts, references, strict=True)]
+    return GradeReport([arith_reward(t, r) > 0 for t, r in zip(texts, references, strict=True)])
 
 
-def validation_sets(cfg: Any) -> list[tuple[str, list[Problem], dict[str, Any]]]:
+def validation_sets(
+    cfg: Any, grader: Callable[[list[str], list[str]], GradeReport] | None = None
+) -> list[tuple[str, list[Problem], dict[str, Any]]]:
     """(name, problems, evaluate_benchmark kwargs) per `trainer.val_benchmarks` entry.
 
     An entry is `arith` (the synthetic task's held-out split, exact match), a benchmark preset
     name (aime24, aime25, math500: loaded by HF id) or a local .jsonl/.json/.parquet file with
-    fields id, problem, answer (named by its file stem)."""
+    fields id, problem, answer (named by its file stem), graded by `grader` (default: the shared
+    math grader)."""
     from bapo_cli.config.schema import BenchmarkConfig
     from bapo_cli.data.tasks import ArithTask, clean_response
+
+    math = {"template": EVAL_TEMPLATE, **({"grader": grader} if grader is not None else {})}
 
     out = []
     limit = cfg.trainer.val_limit
@@ -258,7 +279,7 @@ def validation_sets(cfg: Any) -> list[tuple[str, list[Problem], dict[str, Any]]]
 
             bench = preflight("eval", [f"benchmark={entry}"]).config.benchmark
         problems, _ = load_problems(bench, limit)
-        out.append((bench.name, problems, {"template": EVAL_TEMPLATE}))
+        out.append((bench.name, problems, dict(math)))
     return out
 
 

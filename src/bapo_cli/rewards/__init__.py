@@ -12,10 +12,12 @@ hard per-sample time limit that holds from any thread or process (see `math_grad
 and `guard` for the limit). Anything that cannot be graded in time, or at all, is ``False``;
 `grade` never raises on model text.
 
-`grade` and `grade_many` share one default `MathGrader`, created on first use: its worker process
-is the one piece of state in this package that outlives a call, because starting Python and
-importing sympy costs seconds. `close()` stops it (it also stops at interpreter exit). Code that
-wants its own limit or lifetime makes its own ``MathGrader()``.
+`grade`, `grade_many` and `grade_batch` share one default `MathGrader`, created on first use: its
+worker process is the one piece of state in this package that outlives a call, because starting
+Python and importing sympy costs seconds. `close()` stops it (it also stops at interpreter exit).
+Code that wants its own limit, worker pool or lifetime makes its own ``MathGrader(timeout_s=...,
+workers=...)`` (the `reward` config group does); `StepGrader` puts a training step's grading
+under one time budget (``reward.step_budget_s``) and counts timeouts.
 """
 
 from __future__ import annotations
@@ -23,9 +25,11 @@ from __future__ import annotations
 import threading
 from collections.abc import Sequence
 
+from bapo_cli.rewards.budget import StepGrader
 from bapo_cli.rewards.extract import last_boxed, normalize_answer
 from bapo_cli.rewards.math_grader import (
     DEFAULT_TIMEOUT_S,
+    GradeReport,
     MathGrader,
     extract_answer,
     verify_latex,
@@ -33,11 +37,14 @@ from bapo_cli.rewards.math_grader import (
 
 __all__ = [
     "DEFAULT_TIMEOUT_S",
+    "GradeReport",
     "MathGrader",
+    "StepGrader",
     "close",
     "default_grader",
     "extract_answer",
     "grade",
+    "grade_batch",
     "grade_many",
     "last_boxed",
     "normalize_answer",
@@ -70,6 +77,19 @@ def grade_many(
 ) -> list[bool]:
     """`grade` over pairs; the fast ones inline, the slow ones each bounded by ``timeout_s``."""
     return default_grader().grade_many(responses, references, timeout_s=timeout_s)
+
+
+def grade_batch(
+    responses: Sequence[str],
+    references: Sequence[str],
+    *,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    budget_s: float | None = None,
+) -> GradeReport:
+    """`grade_many` with its cost: verdicts, timeouts and answers left unread past ``budget_s``."""
+    return default_grader().grade_batch(
+        responses, references, timeout_s=timeout_s, budget_s=budget_s
+    )
 
 
 def close() -> None:

@@ -14,9 +14,11 @@ over the child's stdin/stdout as JSON lines (strings only; nothing is pickled, n
 `call(args, timeout_s)` waits at most ``timeout_s`` for the answer. If none comes, the child
 is killed (SIGKILL) and the call returns ``Outcome("timeout")``; the next call starts a fresh
 child, and its start-up (interpreter + imports, seconds) is waited for separately, never charged
-to a request's limit. A child that dies (segfault, out of memory) gives ``Outcome("crashed")``.
-Calls are serialised by a lock, so one worker is safe to share between threads; after
-``os.fork`` the child process notices that the worker belongs to its parent and starts its own.
+to a request's limit. `start(wait_s)` starts a child ahead of a call and waits at most ``wait_s``
+for it: a caller with a deadline stops waiting at the deadline while the child goes on starting.
+A child that dies (segfault, out of memory) gives ``Outcome("crashed")``. Calls are serialised
+by a lock, so one worker is safe to share between threads; after ``os.fork`` the child process
+notices that the worker belongs to its parent and starts its own.
 
 The child side is `serve(handler)`: the worker module's ``main`` calls it. It keeps the protocol on
 a private copy of stdout (stray prints from libraries go to stderr), ignores SIGINT (Ctrl-C in the
@@ -115,6 +117,8 @@ class TimeLimitedWorker:
         self._proc: subprocess.Popen | None = None
         self._replies: queue.Queue | None = None
         self._finalizer: weakref.finalize | None = None
+        self._ready = False  # the current child has said it is ready
+        self._spawned_at = 0.0
         self._next_id = 0
 
     # -- lifecycle -------------------------------------------------------------------------------
@@ -138,7 +142,8 @@ class TimeLimitedWorker:
                     self._proc.stdin.close()
             self._proc, self._replies, self._finalizer = None, None, None
 
-    def _start(self) -> None:
+    def _spawn(self) -> None:
+        """Start a child without waiting for it (`_await_ready` waits)."""
         env = dict(os.environ)
         if Path(_PACKAGE_ROOT).name not in ("site-packages", "dist-packages"):
             # a source checkout (src/ layout); never put site-packages ahead of the stdlib
@@ -159,10 +164,23 @@ class TimeLimitedWorker:
         threading.Thread(target=_read_lines, args=(proc.stdout, replies), daemon=True).start()
         self._proc, self._replies = proc, replies
         self._finalizer = weakref.finalize(self, _kill, proc)
+        self._ready = False
+        self._spawned_at = time.monotonic()
         self.starts += 1
+
+    def _await_ready(self, wait_s: float | None = None) -> bool:
+        """Wait for the child's ready line, at most ``wait_s`` (None: the rest of the start-up
+        limit). False if it is still starting; WorkerStartError once the start-up limit is spent
+        or the child died."""
+        if self._ready:
+            return True
+        left = self.startup_timeout_s - (time.monotonic() - self._spawned_at)
+        wait = left if wait_s is None else min(wait_s, left)
         try:
-            ready = replies.get(timeout=self.startup_timeout_s)
+            ready = self._replies.get(timeout=max(wait, 0.0))
         except queue.Empty:
+            if wait < left:
+                return False  # still starting: the caller stopped waiting, the child did not
             ready = None
         if not (isinstance(ready, dict) and ready.get("ready")):
             self._stop()
@@ -171,11 +189,25 @@ class TimeLimitedWorker:
                 f"{self.startup_timeout_s:.0f} s (its stderr above says why: a missing "
                 "dependency such as math-verify, or an import error)"
             )
+        self._ready = True
+        return True
 
     def _stop(self) -> None:
         if self._finalizer is not None:
             self._finalizer()  # kills and reaps the child, once
         self._proc, self._replies, self._finalizer = None, None, None
+
+    def start(self, wait_s: float | None = None) -> bool:
+        """Start the child unless one is running or starting, and wait for it to be ready: at most
+        ``wait_s`` seconds (None: up to the start-up limit). True when it is ready; False when
+        it is still starting (it goes on starting, and a later `start` or `call` waits for the
+        rest). Lets a caller with a deadline pay the start-up from its own clock."""
+        self._forget_after_fork()
+        with self._lock:
+            if self._proc is None or self._proc.poll() is not None:
+                self._stop()
+                self._spawn()
+            return self._await_ready(wait_s)
 
     def close(self) -> None:
         """Kill the child (if any). The worker stays usable: the next call starts a new one."""
@@ -199,7 +231,8 @@ class TimeLimitedWorker:
         with self._lock:
             if self._proc is None or self._proc.poll() is not None:
                 self._stop()
-                self._start()
+                self._spawn()
+            self._await_ready()  # a child still starting (see `start`) is waited for here
             self._next_id += 1
             rid = self._next_id
             request = {"id": rid, "args": list(args), "limit": timeout_s}

@@ -20,7 +20,16 @@ signal timeouts turned off (they only work in the main thread). A comparison tha
 slow sample restarts it. Each timeout logs one line with the answer cut to 80 characters. Results
 of step 3 are cached per (reference, answer), since groups of samples repeat the same answer.
 
-``MathGrader`` owns one worker; ``bapo_cli.rewards.grade`` uses a shared default instance.
+Why a pool and a budget: one worker grades slow answers one after another, so a batch of k answers
+that all time out costs k × (timeout_s + a restart), ~39 s for six at 5 s. ``MathGrader(workers=W)``
+keeps W workers (each started on first need) and `grade_batch` hands a batch's slow answers to them
+in parallel threads, so that batch costs about k / W rounds. ``budget_s`` bounds the whole batch:
+before each answer a thread checks the deadline, waits for a restarting worker only until the
+deadline (the worker goes on starting, ready for the next batch), and cuts the comparison at the
+deadline; answers left when it has passed score False unread and are counted as ``over_budget``.
+The fast path and cached verdicts are never cut. `GradeReport` says what a batch gave and cost.
+
+``MathGrader`` owns its workers; ``bapo_cli.rewards.grade`` uses a shared default instance.
 """
 
 from __future__ import annotations
@@ -28,8 +37,10 @@ from __future__ import annotations
 import logging
 import re
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Sequence
+from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
 
 from bapo_cli.rewards.extract import brace_depth, is_integer, last_boxed, normalize_answer
@@ -39,6 +50,7 @@ __all__ = [
     "DEFAULT_TIMEOUT_S",
     "MAX_ANSWER_CHARS",
     "MAX_BRACE_DEPTH",
+    "GradeReport",
     "MathGrader",
     "extract_answer",
     "fast_verdict",
@@ -117,36 +129,54 @@ def verify_latex(reference: str, answer: str) -> bool:
     return bool(verify(gold, pred, timeout_seconds=None))
 
 
+@dataclass(frozen=True)
+class GradeReport:
+    """One batch's verdicts and what grading cost it, counted per response (responses that share
+    an answer and a reference share one comparison, and each counts)."""
+
+    verdicts: list[bool]
+    timeouts: int = 0
+    """Compared by math-verify until ``timeout_s`` ran out: scored False."""
+    over_budget: int = 0
+    """Not compared, or cut short, because the batch's ``budget_s`` was spent: scored False."""
+
+
 class MathGrader:
-    """Grades responses against references; owns one time-limited math-verify worker.
+    """Grades responses against references with a pool of time-limited math-verify workers.
 
     ``timeout_s`` bounds each math-verify comparison (a timeout counts as wrong and is cached);
-    ``memory_limit_mb`` caps the worker's address space (RLIMIT_AS, POSIX; None: no cap) so a
-    runaway sympy computation fails with MemoryError instead of swapping the machine.
+    ``workers`` is how many answers are compared at once (each worker process is started on first
+    need and kept); ``memory_limit_mb`` caps each worker's address space (RLIMIT_AS, POSIX; None:
+    no cap) so a runaway sympy computation fails with MemoryError instead of swapping the machine.
 
     Thread-safe. ``stats`` counts how samples were decided: ``fast`` (steps 1-2), ``math_verify``,
-    ``cached``, ``timeout``, ``crashed``, ``error``. ``close()`` kills the worker; the grader
-    remains usable and starts a new one when it next needs it.
+    ``cached``, ``timeout``, ``over_budget``, ``crashed``, ``error``. ``close()`` kills the workers;
+    the grader remains usable and starts new ones when it next needs them.
     """
 
     def __init__(
         self,
         *,
         timeout_s: float = DEFAULT_TIMEOUT_S,
+        workers: int = 1,
         cache_size: int = 4096,
         startup_timeout_s: float = 120.0,
         memory_limit_mb: int | None = 4096,
     ) -> None:
         if not timeout_s > 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s!r}")
+        if not (isinstance(workers, int) and workers >= 1):
+            raise ValueError(f"workers must be an integer >= 1, got {workers!r}")
         self.timeout_s = float(timeout_s)
         self.cache_size = int(cache_size)
         args = () if memory_limit_mb is None else ("--memory-mb", str(int(memory_limit_mb)))
-        self.worker = TimeLimitedWorker(
-            WORKER_MODULE, args=args, startup_timeout_s=startup_timeout_s
-        )
+        self.pool = [
+            TimeLimitedWorker(WORKER_MODULE, args=args, startup_timeout_s=startup_timeout_s)
+            for _ in range(workers)
+        ]
+        self.worker = self.pool[0]  # the one a lone slow answer goes to
         self.stats = dict.fromkeys(
-            ("fast", "math_verify", "cached", "timeout", "crashed", "error"), 0
+            ("fast", "math_verify", "cached", "timeout", "over_budget", "crashed", "error"), 0
         )
         self._cache: OrderedDict[tuple[str, str], bool] = OrderedDict()
         self._cache_lock = threading.Lock()
@@ -162,11 +192,26 @@ class MathGrader:
         *,
         timeout_s: float | None = None,
     ) -> list[bool]:
-        """Grade pairs; fast ones inline, the rest one by one in the worker (each ≤ timeout_s)."""
+        """Grade pairs; fast ones inline, the rest in the workers (each ≤ timeout_s)."""
+        return self.grade_batch(responses, references, timeout_s=timeout_s).verdicts
+
+    def grade_batch(
+        self,
+        responses: Sequence[str],
+        references: Sequence[str],
+        *,
+        timeout_s: float | None = None,
+        budget_s: float | None = None,
+    ) -> GradeReport:
+        """Grade pairs: fast ones inline, slow ones in parallel on the pool (each ≤ timeout_s),
+        all of them within ``budget_s`` seconds of wall time (None: no bound)."""
+        t0 = time.perf_counter()
         if len(responses) != len(references):
             raise ValueError(
                 f"{len(responses)} responses but {len(references)} references: pass one each"
             )
+        if budget_s is not None and not budget_s >= 0:
+            raise ValueError(f"budget_s must be >= 0 or None, got {budget_s!r}")
         limit = self.timeout_s if timeout_s is None else float(timeout_s)
         results: list[bool | None] = []
         slow: dict[tuple[str, str], list[int]] = {}
@@ -177,46 +222,118 @@ class MathGrader:
             if verdict is None:
                 slow.setdefault((ref, answer), []).append(i)
             results.append(verdict)
+        todo: list[tuple[str, str]] = []
         with self._cache_lock:
             self.stats["fast"] += len(results) - sum(len(v) for v in slow.values())
-        for key, indices in slow.items():
-            verdict = self._slow(key, limit)
-            for i in indices:
+            for key, indices in slow.items():
+                if key in self._cache:
+                    self._cache.move_to_end(key)
+                    self.stats["cached"] += 1
+                    for i in indices:
+                        results[i] = self._cache[key]
+                else:
+                    todo.append(key)
+        deadline = None if budget_s is None else t0 + budget_s
+        counts = {"timeout": 0, "over_budget": 0}
+        for key, (status, verdict) in self._compare_all(todo, limit, deadline).items():
+            for i in slow[key]:
                 results[i] = verdict
-        return [bool(r) for r in results]
+            if status in counts:
+                counts[status] += len(slow[key])
+        if counts["over_budget"]:
+            logger.warning(
+                "math grading budget of %.1f s spent: %d answers scored 0 without a verdict",
+                budget_s,
+                counts["over_budget"],
+            )
+        return GradeReport([bool(r) for r in results], counts["timeout"], counts["over_budget"])
 
-    def _slow(self, key: tuple[str, str], timeout_s: float) -> bool:
-        with self._cache_lock:
-            if key in self._cache:
-                self._cache.move_to_end(key)
-                self.stats["cached"] += 1
-                return self._cache[key]
-        outcome = self.worker.call(key, timeout_s)
-        verdict = outcome.status == "ok" and outcome.value is True
-        if outcome.status == "timeout":
+    def _compare_all(
+        self, keys: list[tuple[str, str]], limit: float, deadline: float | None
+    ) -> dict[tuple[str, str], tuple[str, bool]]:
+        """(status, verdict) of every key, from min(len(keys), workers) threads, one per worker."""
+        out: dict[tuple[str, str], tuple[str, bool]] = {}
+        pending = iter(keys)
+        take = threading.Lock()
+        errors: list[BaseException] = []
+
+        def drain(worker: TimeLimitedWorker) -> None:
+            try:
+                while True:
+                    with take:
+                        key = next(pending, None)
+                    if key is None:
+                        return
+                    out[key] = self._compare(worker, key, limit, deadline)
+            except BaseException as exc:  # re-raised in the caller (WorkerStartError)
+                errors.append(exc)
+
+        used = self.pool[: min(len(self.pool), len(keys))]
+        if len(used) == 1:
+            drain(used[0])
+        elif used:
+            threads = [threading.Thread(target=drain, args=(w,), daemon=True) for w in used]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+        if errors:
+            raise errors[0]
+        return out
+
+    def _compare(
+        self,
+        worker: TimeLimitedWorker,
+        key: tuple[str, str],
+        timeout_s: float,
+        deadline: float | None,
+    ) -> tuple[str, bool]:
+        limit, cut = timeout_s, False
+        if deadline is not None:
+            if time.perf_counter() >= deadline:
+                return self._count("over_budget", key, False)
+            # a restart after a timeout is paid from the budget: wait for it until the deadline
+            # at most (past it the child goes on starting, ready for the next batch)
+            if not worker.start(wait_s=deadline - time.perf_counter()):
+                return self._count("over_budget", key, False)
+            left = deadline - time.perf_counter()
+            if left <= 0:
+                return self._count("over_budget", key, False)
+            limit, cut = min(timeout_s, left), left < timeout_s
+        outcome = worker.call(key, limit)
+        status = outcome.status
+        if status == "timeout" and cut:
+            status = "over_budget"  # stopped by the deadline, not by its own limit
+        verdict = status == "ok" and outcome.value is True
+        if status == "timeout":
             logger.warning(
                 "math grading timed out after %.1f s, counted wrong; answer %r",
                 timeout_s,
                 key[1][:80],
             )
-        elif outcome.status != "ok":
+        elif status in ("crashed", "error"):
             logger.warning(
                 "math grading %s (%s), counted wrong; answer %r",
-                outcome.status,
+                status,
                 outcome.value,
                 key[1][:80],
             )
+        return self._count(status, key, verdict)
+
+    def _count(self, status: str, key: tuple[str, str], verdict: bool) -> tuple[str, bool]:
         with self._cache_lock:
-            self.stats["math_verify" if outcome.status == "ok" else outcome.status] += 1
-            if outcome.status != "crashed":  # a crash may be the machine's fault: retry next time
+            self.stats["math_verify" if status == "ok" else status] += 1
+            # a crash may be the machine's fault, a cut answer did not get its time: retry later
+            if status not in ("crashed", "over_budget"):
                 self._cache[key] = verdict
                 while len(self._cache) > self.cache_size:
                     self._cache.popitem(last=False)
-        return verdict
+        return status, verdict
 
     def close(self) -> None:
-        """Kill the worker process (restarted lazily if the grader is used again)."""
-        self.worker.close()
+        """Kill the worker processes (restarted lazily if the grader is used again)."""
+        for worker in self.pool:
+            worker.close()
 
     def __enter__(self) -> MathGrader:
         return self

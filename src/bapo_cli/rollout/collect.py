@@ -4,7 +4,8 @@
 group); `advance()` runs one generation round on the unfinished ones, each getting at most
 `budget` new tokens (the whole `max_tokens` for ordinary rollouts; a slice of it for partial
 rollouts), stamps every new token with the engine's policy version, records behaviour log-probs
-with the trainer's forward (`score`), and grades samples as they finish.
+with the trainer's forward (`score`), and grades samples as they finish (all of a round's in one
+`reward_many` call when given: the math grader compares their slow answers in parallel).
 
 Engines that report their own log-probs (vLLM) are scored by the trainer too, right after
 sampling and with the same weights: the trainer's log-probs become the behaviour log-probs the
@@ -38,6 +39,9 @@ class Collector:
     encode: Callable[[Any], list[int]]  # problem -> prompt token ids
     reward: Callable[[str, Any], float]  # (response text, problem) -> reward
     score: Callable[[list[Sample]], None]  # records behaviour log-probs of unscored tokens
+    # (texts, problems) -> rewards: grades the samples a round finished in one call, so the
+    # grader can compare slow answers in parallel and under one budget; None: `reward` each
+    reward_many: Callable[[list[str], list[Any]], list[float]] | None = None
     next_group: int = 0
     generated_tokens: int = 0
     # |trainer - engine| log-prob over the engine-scored tokens since the last take_mismatch():
@@ -89,10 +93,15 @@ class Collector:
                 diffs = [abs(a - b) for a, b in zip(trainer, gen.logprobs, strict=False)]
                 total, peak, count = self._mismatch
                 self._mismatch = [total + sum(diffs), max([peak, *diffs]), count + len(diffs)]
-        for s in todo:
-            if s.done:
-                s.text = self.tokenizer.decode(s.response_ids, skip_special_tokens=True)
-                s.reward = float(self.reward(s.text, s.problem))
+        finished = [s for s in todo if s.done]
+        for s in finished:
+            s.text = self.tokenizer.decode(s.response_ids, skip_special_tokens=True)
+        if self.reward_many is not None and finished:
+            rewards = self.reward_many([s.text for s in finished], [s.problem for s in finished])
+        else:
+            rewards = [self.reward(s.text, s.problem) for s in finished]
+        for s, reward in zip(finished, rewards, strict=True):
+            s.reward = float(reward)
 
     def take_mismatch(self) -> dict[str, float]:
         """`rollout/logprob_abs_diff_{mean,max}` over the engine-scored tokens since the last call

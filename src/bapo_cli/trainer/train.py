@@ -32,6 +32,7 @@ from bapo_cli.algos import advantages as adv_registry
 from bapo_cli.config.schema import TrainConfig
 from bapo_cli.evaluation import evaluate
 from bapo_cli.models import loading as models
+from bapo_cli.rewards import GradeReport, MathGrader, StepGrader
 from bapo_cli.rollout.base import Sample, SamplingParams, make_engine, resolve_engine_name
 from bapo_cli.rollout.collect import Collector
 from bapo_cli.staleness.regimes import Regime, make_regime
@@ -172,6 +173,7 @@ def train(
         encode=prompts.encode,
         reward=prompts.reward,
         score=score,
+        reward_many=prompts.reward_many,
     )
     regime = make_regime(
         cfg.staleness.regime,
@@ -251,7 +253,11 @@ def train(
     if resume_from is None:
         tracker.log_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)), "config.yaml")
     samples_file = run_dir / "samples.jsonl"
-    val_sets = evaluate.validation_sets(cfg) if cfg.trainer.val_every and ctx.is_main else []
+    val_sets = (
+        evaluate.validation_sets(cfg, grader=prompts.math.grade_batch)
+        if cfg.trainer.val_every and ctx.is_main
+        else []
+    )
 
     def validation() -> dict[str, float]:
         """Rank 0 validates; every rank enters (FSDP2 gathers the full weights for it)."""
@@ -293,6 +299,7 @@ def train(
                     samples_file if ctx.is_main else None,
                     ctx,
                 )
+                metrics.update(prompts.take_grading())  # reward/timeouts|over_budget, perf/grade_s
                 metrics = ctx.mean_metrics(metrics)
                 all_updates += updates
                 state.step += 1
@@ -330,6 +337,7 @@ def train(
             tracker.log_artifact(samples_file)
         tracker.close(status)
         engine.close()
+        prompts.close()
         distributed.shutdown(ctx, clean=status == "FINISHED")
     console.print(summary_table(state.history, run_dir, cfg.tracking.uri, tracker.run_id))
     return TrainResult(run_dir, tracker.run_id, state.history, last_ckpt, all_updates, batch)
@@ -562,6 +570,11 @@ def _run_name(cfg: TrainConfig) -> str:
     return f"{cfg.algo.name}-{stale}-{cfg.model.name}-s{cfg.trainer.seed}"
 
 
+def _exact_batch(reward_fn: Any, texts: Any, answers: Any, *, budget_s: Any = None) -> GradeReport:
+    """A per-sample exact-match reward (data=arith) as a batch grader: instant, no budget needed."""
+    return GradeReport([reward_fn(t, a) > 0 for t, a in zip(texts, answers, strict=True)])
+
+
 def _tags(cfg: TrainConfig, engine: str) -> dict[str, str]:
     tags = {
         "algo": cfg.algo.name,
@@ -618,6 +631,14 @@ class PromptStream:
             )
         self.position = 0  # prompts this rank has drawn
         self.rank, self.world_size = rank, world_size
+        # math grading (data.kind=dataset, and validation on math benchmarks) under reward.*;
+        # worker processes start on first need, so an arith run never starts one
+        self.math = MathGrader(timeout_s=cfg.reward.timeout_s, workers=cfg.reward.workers)
+        if cfg.data.kind == "dataset":
+            grade = self.math.grade_batch
+        else:
+            grade = partial(_exact_batch, self.prompt_set.reward_fn)
+        self.grading = StepGrader(grade, cfg.reward.step_budget_s)
 
     def draw(self, count: int) -> list[Any]:
         """The next `count` prompts of this rank's share: global positions rank, rank + W, ...
@@ -632,7 +653,20 @@ class PromptStream:
         return list(self.tokenizer(text)["input_ids"])
 
     def reward(self, text: str, problem: Any) -> float:
-        return float(self.prompt_set.reward_fn(text, problem.answer))
+        return self.reward_many([text], [problem])[0]
+
+    def reward_many(self, texts: list[str], problems: list[Any]) -> list[float]:
+        """Rewards of finished samples, graded together within the step's grading budget."""
+        verdicts = self.grading.grade(texts, [p.answer for p in problems])
+        return [float(v) for v in verdicts]
+
+    def take_grading(self) -> dict[str, float]:
+        """The step's reward/timeouts, reward/over_budget and perf/grade_s; resets the budget."""
+        return self.grading.take()
+
+    def close(self) -> None:
+        """Stop the math-verify worker processes."""
+        self.math.close()
 
     def state_dict(self) -> dict[str, int]:
         return {"position": self.position}
