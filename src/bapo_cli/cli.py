@@ -71,6 +71,7 @@ def _launch(config_name: str, overrides: list[str] | None, multirun: bool, task)
         # under torchrun only rank 0 keeps a run dir; the trainer hands it to the other ranks
         scratch = Path(tempfile.gettempdir()) / f"bapo-rank{rank}-{os.getpid()}"
         checked.overrides.extend([f"hydra.run.dir={scratch}", "hydra.output_subdir=null"])
+    _claim_output_dir(checked, multirun)
     if multirun:
         jobs = "a sampled number of" if checked.num_jobs is None else str(checked.num_jobs)
         Console().print(f"[bold]bapo {config_name}[/bold]: {jobs} jobs, every config validated")
@@ -84,6 +85,19 @@ def _launch(config_name: str, overrides: list[str] | None, multirun: bool, task)
     from bapo_cli.launch import sweep
 
     sweep.run_grouped(checked, list(overrides or []), config_name, task)
+
+
+def _claim_output_dir(checked, multirun: bool) -> None:
+    """A run (sweep) dir of its own: `<time>`, else `<time>-1`, ... (bapo_cli.rundir), unless
+    the command line names one (hydra.run.dir=... to resume) or this is a torchrun rank > 0."""
+    from bapo_cli import rundir
+
+    key = "hydra.sweep.dir" if multirun else "hydra.run.dir"
+    if any(o.lstrip("+").startswith(f"{key}=") for o in checked.overrides):
+        return
+    root = Path(checked.config.paths.output_root)
+    claimed = rundir.claim_timestamped(root, "sweeps" if multirun else "runs")
+    checked.overrides.append(f"{key}={claimed}")
 
 
 @app.command(

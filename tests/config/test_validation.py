@@ -61,6 +61,7 @@ RULES = [
     (["trainer.strategy=zero3"], "trainer.strategy=zero3", "ddp, fsdp2"),
     (["trainer.precision=fp8"], "trainer.precision=fp8", "mixed, pure"),
     (["trainer.dist_timeout_min=0"], "trainer.dist_timeout_min=0", "> 0"),
+    (["trainer.keep_last=0"], "trainer.keep_last=0", ">= 1 (or null to keep all)"),
     (
         ["trainer.strategy=fsdp2", "staleness.regime=partial"],
         "trainer.strategy=fsdp2",

@@ -422,6 +422,9 @@ class TrainerConfig:
     micro_batch_size: int = opt(64, "sequences per forward/backward (gradient accumulation)")
     seed: int = opt(0, "seed of everything (0 is a seed)")
     save_every: int = opt(0, "checkpoint every N steps; 0 = only at the end")
+    keep_last: int | None = opt(
+        None, "keep only the newest N complete checkpoints (older ones deleted); null = keep all"
+    )
     resume: bool = opt(False, "continue from the last checkpoint in the run dir")
     val_every: int = opt(0, "validate every N steps; 0 = never")
     val_benchmarks: list[str] = opt(
@@ -479,6 +482,8 @@ class TrainerConfig:
         _positive("prompts_per_step", self.prompts_per_step)
         _positive("micro_batch_size", self.micro_batch_size)
         _positive("save_every", self.save_every, allow_zero=True)
+        if self.keep_last is not None and self.keep_last < 1:
+            raise ConfigError("keep_last", self.keep_last, "must be >= 1 (or null to keep all)")
         _positive("val_every", self.val_every, allow_zero=True)
         _positive("log_every", self.log_every)
         _positive("val_n", self.val_n)

@@ -18,6 +18,9 @@ the version that sampled it, so the staleness each update sees is measured, not 
                span up to k + 1 versions; each step trains on the groups that finished.
 
 replay, async and partial make one update per step (× ppo_epochs).
+
+`state_dict()` is plain data (samples as dicts, `sample_state`): checkpoints are loaded with
+`torch.load(weights_only=True)`, which refuses class instances (bapo_cli.checkpoint).
 """
 
 from __future__ import annotations
@@ -25,16 +28,40 @@ from __future__ import annotations
 import math
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from bapo_cli.algos.registry import Registry
+from bapo_cli.data.tasks import Problem
 from bapo_cli.rollout.base import Sample
 from bapo_cli.rollout.collect import Collector
 
 REGIMES: Registry = Registry("staleness regime")
 
 Draw = Callable[[int], list[Any]]  # count -> that many problems (prompts) from the data stream
+
+
+def sample_state(sample: Sample) -> dict[str, Any]:
+    """A Sample as plain data (its Problem as a dict), for a weights_only checkpoint."""
+    state = {f.name: getattr(sample, f.name) for f in fields(Sample)}
+    if isinstance(sample.problem, Problem):
+        state["problem"] = asdict(sample.problem)
+    return state
+
+
+def sample_from_state(state: dict[str, Any]) -> Sample:
+    problem = state["problem"]
+    if isinstance(problem, dict):
+        problem = Problem(**problem)
+    return Sample(**{**state, "problem": problem})
+
+
+def _batches_state(batches: Any) -> list[list[dict[str, Any]]]:
+    return [[sample_state(s) for s in batch] for batch in batches]
+
+
+def _batches_from_state(state: list[list[dict[str, Any]]]) -> deque:
+    return deque([sample_from_state(s) for s in batch] for batch in state)
 
 
 def split_groups(samples: list[Sample], parts: int) -> list[list[Sample]]:
@@ -103,10 +130,10 @@ class Replay(Regime):
         return fresh + old
 
     def state_dict(self) -> dict[str, Any]:
-        return {"buffer": list(self.buffer)}
+        return {"buffer": _batches_state(self.buffer)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.buffer = deque(state["buffer"])
+        self.buffer = _batches_from_state(state["buffer"])
 
 
 @REGIMES.register("async")
@@ -121,10 +148,10 @@ class Async(Regime):
         return self.queue.popleft()
 
     def state_dict(self) -> dict[str, Any]:
-        return {"queue": list(self.queue)}
+        return {"queue": _batches_state(self.queue)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.queue = deque(state["queue"])
+        self.queue = _batches_from_state(state["queue"])
 
 
 @REGIMES.register("partial")
@@ -150,10 +177,10 @@ class Partial(Regime):
                 return ready
 
     def state_dict(self) -> dict[str, Any]:
-        return {"pool": list(self.pool)}
+        return {"pool": [sample_state(s) for s in self.pool]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.pool = list(state["pool"])
+        self.pool = [sample_from_state(s) for s in state["pool"]]
 
 
 def _finished_groups(pool: list[Sample]) -> set[int]:

@@ -315,21 +315,25 @@ def train(
                     ranks = ctx.gather(rank_state())
                     weights, optim_state = ctx.full_state(model, optimizer)  # all ranks (FSDP2)
                     if ctx.is_main:
-                        last_ckpt = checkpoint.save(
-                            ckpt_root,
-                            state.step,
-                            model,
-                            tokenizer,
-                            {
-                                "optimizer": optim_state,
-                                "scheduler": scheduler.state_dict(),
-                                "state": state.__dict__,
-                                "run_id": tracker.run_id,
-                                "ranks": ranks,
-                                "strategy": "fsdp2" if ctx.sharded else "ddp",
-                            },
-                            weights=weights,
-                        )
+                        try:
+                            last_ckpt = checkpoint.save(
+                                ckpt_root,
+                                state.step,
+                                model,
+                                tokenizer,
+                                {
+                                    "optimizer": optim_state,
+                                    "scheduler": scheduler.state_dict(),
+                                    "state": state.__dict__,
+                                    "run_id": tracker.run_id,
+                                    "ranks": ranks,
+                                    "strategy": "fsdp2" if ctx.sharded else "ddp",
+                                },
+                                weights=weights,
+                                keep_last=cfg.trainer.keep_last,
+                            )
+                        except checkpoint.DiskFullError as err:
+                            raise TrainingError(str(err)) from None
                     ctx.barrier()
         status = "FINISHED"
     finally:
