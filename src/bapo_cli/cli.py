@@ -88,9 +88,9 @@ def _launch(config_name: str, overrides: list[str] | None, multirun: bool, task)
 
 
 def _claim_output_dir(checked, multirun: bool) -> None:
-    """A run (sweep) dir of its own: `<time>`, else `<time>-1`, ... (bapo_cli.rundir), unless
+    """A run (sweep) dir of its own: `<time>`, else `<time>-1`, ... (bapo_cli.launch.rundir), unless
     the command line names one (hydra.run.dir=... to resume) or this is a torchrun rank > 0."""
-    from bapo_cli import rundir
+    from bapo_cli.launch import rundir
 
     key = "hydra.sweep.dir" if multirun else "hydra.run.dir"
     if any(o.lstrip("+").startswith(f"{key}=") for o in checked.overrides):

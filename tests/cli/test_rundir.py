@@ -1,4 +1,4 @@
-"""Runs never share a directory: run and sweep dirs are claimed exclusively (bapo_cli.rundir)."""
+"""Runs never share a directory: run and sweep dirs are claimed exclusively (bapo_cli.launch.rundir)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import sys
 from datetime import datetime
 from pathlib import Path
 
-from bapo_cli import rundir
+from bapo_cli.launch import rundir
 
 
 def test_processes_claiming_the_same_dir_at_once_each_get_their_own(tmp_path: Path) -> None:

@@ -1,5 +1,5 @@
 """Checkpoints: nothing executable is loaded, leftovers never break resume, re-saves are atomic,
-keep_last prunes, a full disk is one line (bapo_cli.checkpoint)."""
+keep_last prunes, a full disk is one line (bapo_cli.trainer.checkpoint)."""
 
 from __future__ import annotations
 
@@ -16,9 +16,10 @@ import pytest
 import torch
 from rich.console import Console
 
-from bapo_cli import checkpoint, models
 from bapo_cli.config.preflight import preflight
-from bapo_cli.train import TrainingError, train
+from bapo_cli.models import loading as models
+from bapo_cli.trainer import checkpoint
+from bapo_cli.trainer.train import TrainingError, train
 from tests.train.conftest import FAST
 
 STATE = {"optimizer": {"state": {}, "param_groups": []}, "step": 2, "rng": None}
@@ -139,7 +140,8 @@ def test_temporary_dir_carries_pid_and_random_suffix(tmp_path: Path, policy) -> 
 KILLED_MID_RESAVE = """
 import os, sys
 from pathlib import Path
-from bapo_cli import checkpoint, models
+from bapo_cli.trainer import checkpoint
+from bapo_cli.models import loading as models
 from bapo_cli.config.preflight import preflight
 
 root, crash_at = Path(sys.argv[1]), int(sys.argv[2])

@@ -20,7 +20,7 @@ the version that sampled it, so the staleness each update sees is measured, not 
 replay, async and partial make one update per step (× ppo_epochs).
 
 `state_dict()` is plain data (samples as dicts, `sample_state`): checkpoints are loaded with
-`torch.load(weights_only=True)`, which refuses class instances (bapo_cli.checkpoint).
+`torch.load(weights_only=True)`, which refuses class instances (bapo_cli.trainer.checkpoint).
 """
 
 from __future__ import annotations
