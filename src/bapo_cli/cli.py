@@ -63,8 +63,10 @@ def _preflight(config_name: str, overrides: list[str] | None, multirun: bool = F
 
 
 def _launch(config_name: str, overrides: list[str] | None, multirun: bool, task) -> None:
+    from bapo_cli import redact
     from bapo_cli.config import hydra_runner
 
+    redact.mask_log_records()  # Hydra logs every job's overrides as typed
     checked = _preflight(config_name, overrides, multirun)
     rank = int(os.environ.get("RANK", "0"))
     if rank > 0 and not any(o.startswith("hydra.run.dir=") for o in checked.overrides):
@@ -191,9 +193,12 @@ def config(
     if docs:
         _print_docs(schema.TrainConfig if name == "train" else schema.EvalRunConfig)
         return
+    from bapo_cli import redact
+
     checked = _preflight(name, overrides)
     cfg = hydra_runner.compose(name, checked.overrides)
-    sys.stdout.write(OmegaConf.to_yaml(cfg, resolve=resolve))
+    shown = redact.tree(OmegaConf.to_container(cfg, resolve=resolve))  # credentials masked
+    sys.stdout.write(OmegaConf.to_yaml(shown))
 
 
 def _print_docs(top: type) -> None:
@@ -214,15 +219,15 @@ def runs(
     limit: int = typer.Option(20, help="Newest N runs."),
 ) -> None:
     """List tracked runs in the MLflow store, newest first."""
-    from bapo_cli import tracking
+    from bapo_cli import redact, tracking
 
     if uri is None:
         uri = _preflight("train", []).config.tracking.uri
     rows = tracking.list_runs(uri, experiment, limit)
     if not rows:
-        Console().print(f"no runs yet in {uri}")
+        Console().print(f"no runs yet in {redact.text(uri)}")
         return
-    table = Table(title=f"runs in {uri}")
+    table = Table(title=f"runs in {redact.text(uri)}")
     for column in ("run id", "experiment", "name", "status", "start", *RUN_COLUMNS):
         table.add_column(column)
     for row in rows:
@@ -274,7 +279,9 @@ def report(
             out = sweep / "report" if sweep is not None else root / "reports" / stamp
         result = rep.write_report(runs, out, uri, facet)
     except rep.ReportError as exc:
-        raise _fail(str(exc)) from None
+        from bapo_cli import redact
+
+        raise _fail(redact.text(str(exc))) from None  # they name the store's URI
     Console().print(f"{len(result.runs)} runs compared")
     for path in result.files:
         print(path)
@@ -304,7 +311,10 @@ def ui(
         "--port",
         str(port),
     ]
-    Console().print(f"MLflow UI on http://127.0.0.1:{port} for {uri}  (Ctrl-C stops it)")
+    from bapo_cli import redact
+
+    shown = redact.text(uri)
+    Console().print(f"MLflow UI on http://127.0.0.1:{port} for {shown}  (Ctrl-C stops it)")
     raise typer.Exit(subprocess.call(command))
 
 

@@ -14,12 +14,13 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 from rich.console import Console
 
-from bapo_cli import plan
+from bapo_cli import plan, redact
 from bapo_cli.config.errors import USAGE_EXIT_CODE, ConfigError
 from bapo_cli.config.preflight import to_validated
 
 
 def _validated(cfg: DictConfig):
+    redact.mask_log_records()  # also in a launcher's worker process (joblib, SLURM)
     try:
         return to_validated(cfg)
     except ConfigError as err:

@@ -12,6 +12,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from bapo_cli import redact
 from bapo_cli.config.schema import (
     BapoAlgoConfig,
     ClipHigherAlgoConfig,
@@ -73,7 +74,7 @@ def _table(title: str, rows: list[tuple[str, str]]) -> Table:
 def _tracking(cfg: TrainConfig | EvalRunConfig) -> str:
     if cfg.tracking.backend == "none":
         return "off (tracking=none)"
-    return f"{cfg.tracking.uri}  experiment={cfg.tracking.experiment}"
+    return f"{redact.text(cfg.tracking.uri)}  experiment={cfg.tracking.experiment}"
 
 
 def train_rows(cfg: TrainConfig, run_dir: Path) -> list[tuple[str, str]]:
