@@ -47,6 +47,9 @@ _err = Console(stderr=True)
 
 
 def _fail(line: str) -> typer.Exit:
+    from bapo_cli import redact
+
+    line = redact.text(line)  # an override it quotes may hold credentials
     _err.print(f"[bold red]error:[/bold red] {line}", highlight=False, soft_wrap=True)
     return typer.Exit(USAGE_EXIT_CODE)
 
@@ -279,9 +282,7 @@ def report(
             out = sweep / "report" if sweep is not None else root / "reports" / stamp
         result = rep.write_report(runs, out, uri, facet)
     except rep.ReportError as exc:
-        from bapo_cli import redact
-
-        raise _fail(redact.text(str(exc))) from None  # they name the store's URI
+        raise _fail(str(exc)) from None
     Console().print(f"{len(result.runs)} runs compared")
     for path in result.files:
         print(path)

@@ -24,7 +24,7 @@ def _validated(cfg: DictConfig):
     try:
         return to_validated(cfg)
     except ConfigError as err:
-        print(f"error: {err.line()}", file=sys.stderr)
+        print(f"error: {redact.text(err.line())}", file=sys.stderr)
         sys.exit(USAGE_EXIT_CODE)
 
 

@@ -26,7 +26,9 @@ MASK = "***"
 SECRET_WORDS = ("token", "password", "passwd", "secret", "key", "apikey", "credentials")
 _SECRET_NAME = re.compile(rf"(?:^|[_-])(?:{'|'.join(SECRET_WORDS)})$")
 _CAMEL = re.compile(r"(?<=[a-z0-9])(?=[A-Z])")
-_SCHEME = r"[A-Za-z][A-Za-z0-9+.\-]*\\?://"  # `http\://` as Hydra prints an override
+# `http://`, `http\://` (as Hydra prints an override), or a bare `//` (OmegaConf reads
+# `{http://u:p@h}` as a dict and its error quotes `'//u:p@h'`)
+_SCHEME = r"(?:[A-Za-z][A-Za-z0-9+.\-]*\\?:)?//"
 # a URL: its scheme, then everything up to whitespace (its user info: up to the last `@`)
 _URL = re.compile(rf"(?P<scheme>{_SCHEME})(?P<rest>\S*)")
 # name=value pairs (overrides, query strings); the value is quoted, or ends at whitespace or `&`

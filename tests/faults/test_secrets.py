@@ -75,6 +75,21 @@ def test_overrides_as_hydra_prints_them() -> None:
     assert redact.text(line) == masked
 
 
+@pytest.mark.parametrize(
+    "override",
+    [
+        f"tracking.uri=[http://alice:{PW}@h:1",  # Hydra's parser quotes it
+        f"tracking.uri={{http://alice:{PW}@h:1}}",  # OmegaConf quotes it as a dict, no scheme
+        f"tracking.uri=http://alice:{PW}@h:1)",
+    ],
+)
+def test_error_lines_quoting_a_uri_mask_it(override: str) -> None:
+    result = runner.invoke(app, ["config", override])
+    assert result.exit_code == 2
+    assert "error:" in result.output and PW not in result.output
+    assert "alice:***@h:1" in result.output
+
+
 def test_sweep_of_uris_masks_both() -> None:
     line = redact.text(f"tracking.uri=http://a:{PW}@h1:5000,http://b:{PW}x@h2:5000")
     assert PW not in line and line.endswith("@h2:5000")
