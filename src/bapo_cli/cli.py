@@ -47,6 +47,9 @@ _err = Console(stderr=True)
 
 
 def _fail(line: str) -> typer.Exit:
+    from bapo_cli.tracking import redact
+
+    line = redact.text(line)  # an override it quotes may hold credentials
     _err.print(f"[bold red]error:[/bold red] {line}", highlight=False, soft_wrap=True)
     return typer.Exit(USAGE_EXIT_CODE)
 
@@ -64,7 +67,9 @@ def _preflight(config_name: str, overrides: list[str] | None, multirun: bool = F
 
 def _launch(config_name: str, overrides: list[str] | None, multirun: bool, task) -> None:
     from bapo_cli.config import hydra_runner
+    from bapo_cli.tracking import redact
 
+    redact.mask_log_records()  # Hydra logs every job's overrides as typed
     checked = _preflight(config_name, overrides, multirun)
     rank = int(os.environ.get("RANK", "0"))
     if rank > 0 and not any(o.startswith("hydra.run.dir=") for o in checked.overrides):
@@ -205,9 +210,12 @@ def config(
     if docs:
         _print_docs(schema.TrainConfig if name == "train" else schema.EvalRunConfig)
         return
+    from bapo_cli.tracking import redact
+
     checked = _preflight(name, overrides)
     cfg = hydra_runner.compose(name, checked.overrides)
-    sys.stdout.write(OmegaConf.to_yaml(cfg, resolve=resolve))
+    shown = redact.tree(OmegaConf.to_container(cfg, resolve=resolve))  # credentials masked
+    sys.stdout.write(OmegaConf.to_yaml(shown))
 
 
 def _print_docs(top: type) -> None:
@@ -229,14 +237,15 @@ def runs(
 ) -> None:
     """List tracked runs in the MLflow store, newest first."""
     from bapo_cli import tracking
+    from bapo_cli.tracking import redact
 
     if uri is None:
         uri = _preflight("train", []).config.tracking.uri
     rows = tracking.list_runs(uri, experiment, limit)
     if not rows:
-        Console().print(f"no runs yet in {uri}")
+        Console().print(f"no runs yet in {redact.text(uri)}")
         return
-    table = Table(title=f"runs in {uri}")
+    table = Table(title=f"runs in {redact.text(uri)}")
     for column in ("run id", "experiment", "name", "status", "start", *RUN_COLUMNS):
         table.add_column(column)
     for row in rows:
@@ -318,7 +327,10 @@ def ui(
         "--port",
         str(port),
     ]
-    Console().print(f"MLflow UI on http://127.0.0.1:{port} for {uri}  (Ctrl-C stops it)")
+    from bapo_cli.tracking import redact
+
+    shown = redact.text(uri)
+    Console().print(f"MLflow UI on http://127.0.0.1:{port} for {shown}  (Ctrl-C stops it)")
     raise typer.Exit(subprocess.call(command))
 
 

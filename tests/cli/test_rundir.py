@@ -1,4 +1,4 @@
-"""Runs never share a directory: run and sweep dirs are claimed exclusively (bapo_cli.launch.rundir)."""
+"""Runs never share a directory: run and sweep dirs are claimed exclusively (launch/rundir.py)."""
 
 from __future__ import annotations
 

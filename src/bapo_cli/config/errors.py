@@ -72,8 +72,7 @@ def _explain_omegaconf(err: Any) -> str:
     msg = _first_line(getattr(err, "msg", "") or str(err))
     not_in = re.search(r"Key '([^']+)' not in '([^']+)'", msg)
     if not_in or "not in struct" in msg:
-        parent = key.rsplit(".", 1)[0] if "." in key else ""
-        return f"{key}: unknown key" + (f" in {parent}" if parent else "") + _valid_keys(err)
+        return unknown_key(key, getattr(err, "object_type", None)).line()
     converted = re.search(r"Value '(.*)' of type '([^']+)' could not be converted to (\w+)", msg)
     if converted:
         value, _, target = converted.groups()
@@ -94,14 +93,16 @@ def _explain_omegaconf(err: Any) -> str:
     return f"{key}: {msg}"
 
 
-def _valid_keys(err: Any) -> str:
-    """`; valid keys: a, b, c` when the offending node is known, else nothing."""
-    obj = getattr(err, "object_type", None)
+def unknown_key(key: str, schema: Any) -> ConfigError:
+    """`trainer.max_stepz: unknown key in trainer; valid keys: max_steps, ...` (the valid keys
+    when the schema dataclass of the enclosing node is known)."""
     import dataclasses
 
-    if obj is not None and dataclasses.is_dataclass(obj):
-        return "; valid keys: " + ", ".join(f.name for f in dataclasses.fields(obj))
-    return ""
+    parent = key.rsplit(".", 1)[0] if "." in key else ""
+    message = "unknown key" + (f" in {parent}" if parent else "")
+    if schema is not None and dataclasses.is_dataclass(schema):
+        message += "; valid keys: " + ", ".join(f.name for f in dataclasses.fields(schema))
+    return ConfigError(key, None, message)
 
 
 def _type_word(name: str) -> str:

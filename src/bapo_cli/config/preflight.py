@@ -12,6 +12,7 @@ token for their per-token records; a step that needs more than this machine has 
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 from dataclasses import dataclass
@@ -20,7 +21,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from bapo_cli.config import hydra_runner, schema
-from bapo_cli.config.errors import ConfigError, explain
+from bapo_cli.config.errors import ConfigError, explain, unknown_key
 
 PLUGIN_GROUPS = {"hydra/launcher": "sweep or slurm", "hydra/sweeper": "sweep"}
 
@@ -40,12 +41,29 @@ class Preflight:
 def to_validated(cfg: DictConfig) -> Any:
     """DictConfig -> schema dataclass, with every `check()` run. Raises ConfigError."""
     cfg = OmegaConf.masked_copy(cfg, [k for k in cfg if k != "hydra"]) if "hydra" in cfg else cfg
+    check_known_keys(cfg)
     try:
         obj = OmegaConf.to_object(cfg)
     except Exception as exc:  # interpolation or missing value: explain it in one line
         raise ConfigError("config", None, explain(exc)) from exc
     schema.validate(obj)
     return obj
+
+
+def check_known_keys(cfg: DictConfig, prefix: str = "") -> None:
+    """Every key of a schema node is one of its dataclass's fields. Hydra's `+key=v` appends with
+    the struct flag lifted, so `+trainer.max_stepz=2` would otherwise slip past the schema that
+    refuses `trainer.max_stepz=2`; both now get the same ConfigError. Nodes the schema leaves
+    open (a dict, `Any`) take any key."""
+    kind = OmegaConf.get_type(cfg)
+    fields = {f.name for f in dataclasses.fields(kind)} if dataclasses.is_dataclass(kind) else None
+    for key in cfg:
+        path = f"{prefix}{key}"
+        if fields is not None and key not in fields:
+            raise unknown_key(path, kind)
+        child = cfg._get_node(key)
+        if isinstance(child, DictConfig) and not (child._is_none() or child._is_interpolation()):
+            check_known_keys(child, path + ".")
 
 
 def check_group_choices(overrides: list[str]) -> None:

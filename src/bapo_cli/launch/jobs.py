@@ -17,13 +17,15 @@ from rich.console import Console
 from bapo_cli.config.errors import USAGE_EXIT_CODE, ConfigError
 from bapo_cli.config.preflight import to_validated
 from bapo_cli.launch import plan
+from bapo_cli.tracking import redact
 
 
 def _validated(cfg: DictConfig):
+    redact.mask_log_records()  # also in a launcher's worker process (joblib, SLURM)
     try:
         return to_validated(cfg)
     except ConfigError as err:
-        print(f"error: {err.line()}", file=sys.stderr)
+        print(f"error: {redact.text(err.line())}", file=sys.stderr)
         sys.exit(USAGE_EXIT_CODE)
 
 

@@ -19,6 +19,7 @@ from bapo_cli.config.schema import (
     PPOAlgoConfig,
     TrainConfig,
 )
+from bapo_cli.tracking import redact
 
 
 def resolve_engine(name: str) -> tuple[str, str]:
@@ -73,7 +74,7 @@ def _table(title: str, rows: list[tuple[str, str]]) -> Table:
 def _tracking(cfg: TrainConfig | EvalRunConfig) -> str:
     if cfg.tracking.backend == "none":
         return "off (tracking=none)"
-    return f"{cfg.tracking.uri}  experiment={cfg.tracking.experiment}"
+    return f"{redact.text(cfg.tracking.uri)}  experiment={cfg.tracking.experiment}"
 
 
 def train_rows(cfg: TrainConfig, run_dir: Path) -> list[tuple[str, str]]:

@@ -21,6 +21,7 @@ from rich.console import Console
 
 from bapo_cli import tracking
 from bapo_cli.config import hydra_runner
+from bapo_cli.tracking import redact
 
 
 def run_grouped(checked: Any, typed: list[str], config_name: str, task: Callable) -> None:
@@ -36,7 +37,8 @@ def run_grouped(checked: Any, typed: list[str], config_name: str, task: Callable
             "bapo.command": f"bapo {config_name} -m " + " ".join(typed),
         },
     )
-    console.print(f"MLflow parent run {parent} in experiment {cfg.experiment!r} ({cfg.uri})")
+    shown = redact.text(cfg.uri)
+    console.print(f"MLflow parent run {parent} in experiment {cfg.experiment!r} ({shown})")
     argv = [
         "--multirun",
         *checked.overrides,

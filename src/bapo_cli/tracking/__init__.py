@@ -16,6 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+from bapo_cli.tracking import redact
+
 logger = logging.getLogger(__name__)
 
 
@@ -33,6 +35,43 @@ def sqlite_path(uri: str) -> Path | None:
     """The file behind a `sqlite:///...` URI, else None."""
     prefix = "sqlite:///"
     return Path(uri[len(prefix) :]) if uri.startswith(prefix) else None
+
+
+ARTIFACTS_DIR = "mlartifacts"  # next to a SQLite store: outputs/mlflow.db -> outputs/mlartifacts
+
+
+def artifact_location(uri: str) -> str | None:
+    """Where a new experiment keeps its artifacts: beside a SQLite store, never in the cwd of
+    whichever run created the experiment (MLflow's default, ./mlruns). None (the store decides)
+    for a file store, which keeps them inside itself, and for a server, which has its own root."""
+    path = sqlite_path(uri)
+    return None if path is None else str(path.resolve().parent / ARTIFACTS_DIR)
+
+
+@contextlib.contextmanager
+def store_lock(uri: str) -> Iterator[None]:
+    """Held while a process opens a SQLite store: the first to open a fresh store creates its
+    tables (MLflow's schema migration), and two doing it at once fail ("table ... already
+    exists"). The lock file sits beside the store; other URIs need no lock."""
+    path = sqlite_path(uri)
+    if path is None:
+        yield
+        return
+    from filelock import FileLock
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(f"{path}.lock"):
+        yield
+
+
+def open_experiment(uri: str, experiment: str) -> tuple[Any, str]:
+    """(client, experiment id) with the store and the experiment created if missing, under the
+    store's lock: what every writer (a single run, a sweep's launcher) does first."""
+    from mlflow.tracking import MlflowClient
+
+    with store_lock(uri):
+        client = MlflowClient(tracking_uri=uri)
+        return client, ensure_experiment(client, experiment, artifact_location(uri))
 
 
 def store_exists(uri: str) -> bool:
@@ -164,11 +203,23 @@ def fail_fast_http(uri: str) -> None:
     if uri.startswith(("http://", "https://")):
         for name, value in FAIL_FAST_HTTP.items():
             os.environ.setdefault(name, value)
+    hide_run_links(uri)
+
+
+QUIET_LINKS = "MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT"
+
+
+def hide_run_links(uri: str) -> None:
+    """MLflow prints "View run ... at: <uri>/#/..." when a run on a server ends, credentials
+    and all: not for a URI that holds any (the summary table names the run, masked)."""
+    if redact.text(uri) != uri:
+        os.environ[QUIET_LINKS] = "true"
 
 
 def describe_failure(exc: BaseException) -> str:
-    """One short line for a store error (MLflow's connection errors run to 400 characters)."""
-    text = str(exc)
+    """One short line for a store error (MLflow's connection errors run to 400 characters, and
+    name the URL, credentials included: masked here)."""
+    text = redact.text(str(exc))
     for needle, short in (
         ("Connection refused", "connection refused"),
         ("timed out", "timed out"),
@@ -207,11 +258,7 @@ class MlflowTracker:
         )
         self.failed_flushes = 0  # log_batch calls that failed (the store was down)
         self._down_since: float | None = None  # monotonic time of the first failure, while down
-        path = sqlite_path(uri)
-        if path is not None:
-            path.parent.mkdir(parents=True, exist_ok=True)
-        self.client = MlflowClient(tracking_uri=uri)
-        self.uri = uri
+        self.uri = redact.text(uri)  # as shown in warnings; the client has the real one
         self.flush_every = flush_every
         self._pending: list[Any] = []  # queued metrics in memory, oldest first
         self.max_pending = MAX_PENDING_METRICS if max_pending is None else max_pending
@@ -223,13 +270,15 @@ class MlflowTracker:
         self._steps_since_flush = 0
         self.logged_until = -1  # steps at or below this are already in the store
         if run_id is not None:  # resume: the same run, reopened
-            self.client.update_run(run_id, status="RUNNING")
+            with store_lock(uri):
+                self.client = MlflowClient(tracking_uri=uri)
+                self.client.update_run(run_id, status="RUNNING")
             self.run_id = run_id
             history = self.client.get_metric_history(run_id, STEP_KEY)
             self.logged_until = max((m.step for m in history), default=-1)
         else:
-            exp_id = ensure_experiment(self.client, experiment)
-            run = self.client.create_run(exp_id, run_name=run_name, tags=tags or {})
+            self.client, exp_id = open_experiment(uri, experiment)
+            run = self.client.create_run(exp_id, run_name=run_name, tags=redact.params(tags or {}))
             self.run_id = run.info.run_id
         if run_dir is not None:
             self._recover_journal()
@@ -237,7 +286,8 @@ class MlflowTracker:
     def log_params(self, params: dict[str, str]) -> None:
         from mlflow.entities import Param
 
-        items = [Param(k, str(v)[:MAX_PARAM_VALUE]) for k, v in params.items()]
+        shown = redact.params(params)
+        items = [Param(k, v[:MAX_PARAM_VALUE]) for k, v in shown.items()]
         for start in range(0, len(items), MAX_BATCH_PARAMS):
             self.client.log_batch(self.run_id, params=items[start : start + MAX_BATCH_PARAMS])
 
@@ -603,13 +653,13 @@ class MlflowTracker:
         self._journal, self._journal_offset, self._journal_size, self._spilled = None, 0, 0, 0
 
 
-def ensure_experiment(client: Any, name: str) -> str:
+def ensure_experiment(client: Any, name: str, artifact_location: str | None = None) -> str:
     """The experiment's id, created if missing (tolerating a concurrent creator)."""
     found = client.get_experiment_by_name(name)
     if found is not None:
         return found.experiment_id
     try:
-        return client.create_experiment(name)
+        return client.create_experiment(name, artifact_location=artifact_location)
     except Exception:
         found = client.get_experiment_by_name(name)
         if found is None:
@@ -632,8 +682,9 @@ ROLE_TAG = "bapo.role"  # "sweep" on a parent run
 def job_tags(
     overrides: list[str], sweep_dir: str | None, job_num: int | None, parent_run_id: str | None
 ) -> dict[str, str]:
-    """Tags that place one job's run in its sweep (the job's overrides label it in reports)."""
-    tags = {OVERRIDES_TAG: " ".join(overrides)}
+    """Tags that place one job's run in its sweep (the job's overrides label it in reports,
+    secrets masked)."""
+    tags = {OVERRIDES_TAG: " ".join(redact.overrides(overrides))}
     if sweep_dir is not None:
         tags[SWEEP_DIR_TAG] = sweep_dir
     if job_num is not None:
@@ -647,16 +698,14 @@ def start_parent_run(uri: str, experiment: str, run_name: str, tags: dict[str, s
     """Create the store, the experiment and the sweep's parent run, before any job starts.
 
     Jobs that start at once on a fresh SQLite store race in MLflow's schema migration and fail;
-    once this process has created the store and the experiment they only add rows.
+    once this process has created the store and the experiment they only add rows. Tag values
+    are masked (`redact.params`): `bapo.command` holds the command line as typed.
     """
-    from mlflow.tracking import MlflowClient
-
-    path = sqlite_path(uri)
-    if path is not None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-    client = MlflowClient(tracking_uri=uri)
-    exp_id = ensure_experiment(client, experiment)
-    run = client.create_run(exp_id, run_name=run_name, tags={ROLE_TAG: "sweep", **tags})
+    hide_run_links(uri)
+    client, exp_id = open_experiment(uri, experiment)
+    run = client.create_run(
+        exp_id, run_name=run_name, tags=redact.params({ROLE_TAG: "sweep", **tags})
+    )
     return run.info.run_id
 
 
@@ -664,6 +713,7 @@ def finish_parent_run(uri: str, run_id: str, status: str = "FINISHED") -> str | 
     """Close the parent run; tag it with the sweep dir its children recorded (returned)."""
     from mlflow.tracking import MlflowClient
 
+    hide_run_links(uri)
     client = MlflowClient(tracking_uri=uri)
     sweep_dirs = {r.data.tags.get(SWEEP_DIR_TAG) for r in child_runs(client, run_id)} - {None}
     sweep_dir = sorted(sweep_dirs)[0] if sweep_dirs else None

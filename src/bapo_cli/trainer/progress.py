@@ -8,6 +8,8 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from bapo_cli.tracking import redact
+
 
 class TrainProgress:
     """Step counter with reward, entropy and clip bounds of the latest step."""
@@ -74,7 +76,7 @@ def summary_table(
         first, last = _mean(history, key, slice(0, tenth)), _mean(history, key, slice(-tenth, None))
         if first is not None:
             table.add_row(key, f"{first:.4f}", f"{last:.4f}")
-    table.caption = f"run dir: {run_dir}\nMLflow: {uri or 'off'}" + (
+    table.caption = f"run dir: {run_dir}\nMLflow: {redact.text(uri) or 'off'}" + (
         f"  run {run_id}" if run_id else ""
     )
     table.caption_justify = "left"

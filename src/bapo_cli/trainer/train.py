@@ -36,7 +36,7 @@ from bapo_cli.rewards import GradeReport, MathGrader, StepGrader
 from bapo_cli.rollout.base import Sample, SamplingParams, make_engine, resolve_engine_name
 from bapo_cli.rollout.collect import Collector
 from bapo_cli.staleness.regimes import Regime, make_regime
-from bapo_cli.tracking import describe_failure, flatten, make_tracker
+from bapo_cli.tracking import describe_failure, flatten, make_tracker, redact
 from bapo_cli.trainer import checkpoint, distributed
 from bapo_cli.trainer.policy import (
     MicroBatch,
@@ -241,17 +241,18 @@ def train(
             tags={**_tags(cfg, engine_name), **(tags or {})},
             run_dir=run_dir,
         )
+        params, config_yaml = run_record(cfg)
         if resume_from is None:
-            tracker.log_params(flatten(cfg))
+            tracker.log_params(params)
     except Exception as err:
         engine.close()
         raise TrainingError(
-            f"tracking: cannot start the MLflow run at {cfg.tracking.uri} "
+            f"tracking: cannot start the MLflow run at {redact.text(cfg.tracking.uri)} "
             f"({describe_failure(err)}); start the server, or pass tracking.uri=... or "
             "tracking=none"
         ) from err
     if resume_from is None:
-        tracker.log_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)), "config.yaml")
+        tracker.log_text(config_yaml, "config.yaml")
     samples_file = run_dir / "samples.jsonl"
     val_sets = (
         evaluate.validation_sets(cfg, grader=prompts.math.grade_batch)
@@ -569,6 +570,14 @@ def _reference(
     return ref
 
 
+def run_record(cfg: TrainConfig) -> tuple[dict[str, str], str]:
+    """What a run records of its config in MLflow: the flattened params and config.yaml, with
+    URL credentials and secret-named values masked (bapo_cli.tracking.redact)."""
+    params = redact.params(flatten(cfg))
+    tree = redact.tree(OmegaConf.to_container(OmegaConf.structured(cfg)))
+    return params, OmegaConf.to_yaml(tree)
+
+
 def _run_name(cfg: TrainConfig) -> str:
     stale = f"{cfg.staleness.regime}{cfg.staleness.k}"
     return f"{cfg.algo.name}-{stale}-{cfg.model.name}-s{cfg.trainer.seed}"
@@ -587,19 +596,42 @@ def _tags(cfg: TrainConfig, engine: str) -> dict[str, str]:
         "model": cfg.model.name,
         "rollout": engine,
     }
-    try:
-        commit = subprocess.run(
-            ["git", "rev-parse", "HEAD"],
-            capture_output=True,
-            text=True,
-            timeout=5,
-            cwd=Path(__file__).parent,
-        ).stdout.strip()
-        if commit:
-            tags["git_commit"] = commit
-    except (OSError, subprocess.TimeoutExpired):
-        pass
+    commit = source_commit()
+    if commit is not None:
+        tags["git_commit"] = commit
     return tags
+
+
+def _git(cwd: Path, *args: str) -> str:
+    """A git command's output, "" when it fails (no git, not a repository)."""
+    try:
+        done = subprocess.run(["git", *args], capture_output=True, text=True, timeout=5, cwd=cwd)
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
+    return done.stdout.strip() if done.returncode == 0 else ""
+
+
+def source_commit(package: Path | None = None) -> str | None:
+    """HEAD of the bapo-cli checkout this package runs from, else None.
+
+    Only when the package is `<top>/src/bapo_cli` of a repository whose pyproject.toml names
+    bapo-cli: a package installed into site-packages of a venv that lies inside some other
+    repository (or inside this one) must not tag runs with a commit it did not come from.
+    """
+    import tomllib
+
+    package = (package or Path(__file__).parent).resolve()
+    top = _git(package, "rev-parse", "--show-toplevel")
+    if not top or package != Path(top).resolve() / "src" / "bapo_cli":
+        return None
+    try:
+        with (Path(top) / "pyproject.toml").open("rb") as f:
+            name = tomllib.load(f).get("project", {}).get("name")
+    except (OSError, tomllib.TOMLDecodeError):
+        return None
+    if name != "bapo-cli":
+        return None
+    return _git(package, "rev-parse", "HEAD") or None
 
 
 class PromptStream:
