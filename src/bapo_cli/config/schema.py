@@ -188,7 +188,7 @@ class BapoAlgoConfig(AlgoConfig):
     bound_scope: str = opt(
         "minibatch",
         "minibatch = paper (one search per optimizer step over all micro-batches and ranks); "
-        "microbatch = cheaper approximation, one search per micro-batch",
+        "microbatch = cheaper approximation, one search per micro-batch of each rank",
     )
 
     def check(self) -> None:
