@@ -7,6 +7,7 @@ One engine serves the module (see conftest). Tests that change weights sync the 
 from __future__ import annotations
 
 import copy
+import logging
 
 import pytest
 import torch
@@ -189,3 +190,70 @@ def test_engine_leaves_the_trainers_threads_alone(engine) -> None:
     torch.set_num_threads(1)
     assert torch.get_num_threads() == 1
     torch.set_num_threads(engine.trainer_threads)
+
+
+class _Records(logging.Handler):
+    """Every record vLLM's loggers let through (what its handler would print)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
+def test_weight_sync_logs_no_info_and_no_false_load_failures(engine, policy) -> None:
+    """vLLM's INFO lines are off unless VLLM_LOGGING_LEVEL asks for them, and its reload warning
+    "<layer>: Failed to load weights" is dropped for the two layers that hold no weight of their
+    own (the tied lm_head is the embedding's Parameter; the rotary cache is computed) -- the
+    sync does reach them, test_weight_sync_reaches_the_tied_lm_head checks it."""
+    from bapo_cli.rollout.vllm import no_weights_of_their_own
+
+    model, _ = policy
+    names = engine.llm.collective_rpc(lambda w: no_weights_of_their_own(w.model_runner.model))
+    assert names == [frozenset({"ParallelLMHead", "RotaryEmbedding"})]
+    vllm_logger = logging.getLogger("vllm")
+    handler = _Records()
+    vllm_logger.addHandler(handler)
+    try:
+        engine.sync_weights(model, 0)
+        engine.sync_weights(model, 0)
+    finally:
+        vllm_logger.removeHandler(handler)
+    assert vllm_logger.getEffectiveLevel() == logging.WARNING
+    printed = [f"{r.levelname} {r.getMessage()}" for r in handler.records]
+    assert printed == [], printed
+
+
+def test_layers_without_weights_of_their_own_are_tied_or_computed() -> None:
+    from bapo_cli.rollout.vllm import _NoWeightsOfTheirOwn, no_weights_of_their_own
+
+    class Rotary(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.register_buffer("cache", torch.ones(4), persistent=False)
+
+    class Head(torch.nn.Module):
+        def __init__(self, weight: torch.nn.Parameter) -> None:
+            super().__init__()
+            self.weight = weight
+
+    class Scaled(torch.nn.Module):  # a saved buffer: a checkpoint fills it
+        def __init__(self) -> None:
+            super().__init__()
+            self.register_buffer("scale", torch.ones(1))
+
+    embed = torch.nn.Embedding(5, 3)
+    tied = torch.nn.ModuleList([embed, Rotary(), Head(embed.weight), Scaled()])
+    assert no_weights_of_their_own(tied) == {"Rotary", "Head"}  # not the embedding: it loads
+    untied_too = torch.nn.ModuleList([*tied, Head(torch.nn.Parameter(torch.ones(2)))])
+    assert no_weights_of_their_own(untied_too) == {"Rotary"}  # a Head of its own: keep warning
+    keep = _NoWeightsOfTheirOwn(frozenset({"Rotary"}))
+
+    def record(name: str) -> logging.LogRecord:
+        return logging.LogRecord(
+            "x", logging.WARNING, "f", 1, "%s: Failed to load weights", (name,), None
+        )
+
+    assert not keep.filter(record("Rotary")) and keep.filter(record("QKVParallelLinear"))

@@ -188,7 +188,7 @@ class BapoAlgoConfig(AlgoConfig):
     bound_scope: str = opt(
         "minibatch",
         "minibatch = paper (one search per optimizer step over all micro-batches and ranks); "
-        "microbatch = cheaper approximation, one search per micro-batch",
+        "microbatch = cheaper approximation, one search per micro-batch of each rank",
     )
 
     def check(self) -> None:
@@ -335,7 +335,7 @@ ENGINES = ("auto", "hf", "vllm")
 class RolloutConfig:
     """Generation: engine and sampling parameters."""
 
-    name: str = opt("auto", "engine: auto (vllm when it imports, else hf), hf or vllm")
+    name: str = opt("auto", "engine: auto (vllm on CUDA when it imports, else hf), hf or vllm")
     n: int = opt(8, "samples per prompt (the GRPO group size)")
     temperature: float = opt(1.0, "sampling temperature (0 = greedy)")
     top_p: float = opt(1.0, "nucleus sampling mass")

