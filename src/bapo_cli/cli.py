@@ -219,13 +219,15 @@ def config(
 
 
 def _print_docs(top: type) -> None:
+    from rich.markup import escape
+
     from bapo_cli.config import schema
 
     table = Table(title=f"Options of bapo {'train' if top is schema.TrainConfig else 'eval'}")
     for column in ("key", "type", "schema default", "meaning"):
         table.add_column(column, overflow="fold")
-    for key, type_name, default, help_text in schema.option_docs(top):
-        table.add_row(key, type_name, default, help_text)
+    for row in schema.option_docs(top):
+        table.add_row(*(escape(cell) for cell in row))  # `[bapo]`, `list[float]`: not markup
     Console(width=max(Console().width, 140)).print(table)
 
 

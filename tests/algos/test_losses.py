@@ -25,7 +25,8 @@ BASE_METRICS = {
     "neg_mass",
     "nonfinite_tokens",
 }
-BAPO_METRICS = BASE_METRICS | {"c_low", "c_high", "rho_before", "rho", "search_steps"}
+# every loss reports the bounds it used and the positive share of the active mass at them
+LOSS_METRICS = BASE_METRICS | {"c_low", "c_high", "rho_before", "rho", "search_steps"}
 
 
 def make_batch(seed, b=6, t=9, dtype=torch.float64, stale=0.5, p_pos=0.4):
@@ -103,7 +104,8 @@ def test_value_and_gradient_match_the_formulas(name, agg, dual):
     torch.testing.assert_close(grad, want_grad, rtol=1e-12, atol=0)
     assert bool((grad[~active] == 0).all())  # clipped tokens: exactly zero gradient
     assert bool((grad[active & (adv[:, None] != 0)] != 0).all())
-    assert set(metrics) == (BAPO_METRICS if name == "bapo" else BASE_METRICS)
+    assert set(metrics) == LOSS_METRICS
+    assert (float(metrics["c_low"]), float(metrics["c_high"])) == bounds_of(name, params)
 
 
 @settings(max_examples=40, deadline=None, derandomize=True)
@@ -194,6 +196,27 @@ def test_flat_tokens_and_per_sequence_advantages():
             mask.flatten(),
             agg="seq-mean-token-mean",
         )
+
+
+@pytest.mark.parametrize("name", ["ppo", "clip_higher"])
+def test_fixed_bound_losses_report_the_positive_share_at_their_bounds(name):
+    log_prob, old, adv, mask = make_batch(14, b=30, t=10, stale=0.5, p_pos=0.4)
+    _, grad, m = loss_and_grad(name, log_prob, old, adv, mask, **PARAMS[name])
+    mass = torch.exp(log_prob - old) * adv[:, None].abs()
+    trained = grad != 0  # the active tokens
+    pos = mass[trained & (adv[:, None] > 0)].sum()
+    neg = mass[trained & (adv[:, None] < 0)].sum()
+    assert 0.0 < m["rho"].item() < 1.0
+    assert m["rho"].item() == pytest.approx((pos / (pos + neg)).item(), rel=1e-12)
+    assert m["rho_before"].item() == m["rho"].item() and m["search_steps"].item() == 0.0
+    # on-policy data with fixed bounds: every token active, rho = share of all mass
+    _, _, on = loss_and_grad(name, log_prob, log_prob, adv, mask, **PARAMS[name])
+    r_adv = adv[:, None].expand_as(mask)
+    share = r_adv[mask & (r_adv > 0)].sum() / r_adv[mask].abs().sum()
+    assert on["rho"].item() == pytest.approx(share.item(), rel=1e-12)
+    # nothing carries mass: rho = 1 as the search's convention
+    _, _, empty = loss_and_grad(name, log_prob, old, adv, torch.zeros_like(mask), **PARAMS[name])
+    assert empty["rho"].item() == 1.0
 
 
 def test_ppo_is_clip_higher_with_equal_eps_and_bapo_with_fixed_bounds():

@@ -51,6 +51,16 @@ def test_config_prints_bapo_section_with_paper_values() -> None:
     assert "hydra" not in cfg
 
 
+def test_config_docs_show_each_losss_options_with_their_presets() -> None:
+    result = runner.invoke(app, ["config", "--docs"], env={"COLUMNS": "250"})
+    assert result.exit_code == 0, result.output
+    # brackets are text, not rich markup: the preset tags and the range notation survive
+    assert "[bapo] target share of positive-advantage tokens" in result.output
+    assert "[bapo] [a-, b-]: where c_low may move" in result.output
+    assert "[grpo, ppo] clip range" in result.output
+    assert "list[float]" in result.output
+
+
 def test_config_resolve_expands_interpolations(_output_root: Path) -> None:
     raw = runner.invoke(app, ["config"])
     resolved = runner.invoke(app, ["config", "--resolve"])

@@ -69,7 +69,7 @@ SEARCH = {
     "high_step": 0.05,
     "weighting": "none",
 }
-SPEC = LossSpec("bapo", {"dual_clip": 3.0, "agg": "token-mean", **SEARCH}, search=SEARCH)
+SPEC = LossSpec("bapo", {"dual_clip": 3.0, "agg": "token-mean", **SEARCH})
 
 
 def _chunks(samples: list[Sample], micro_size: int) -> list[list[Sample]]:

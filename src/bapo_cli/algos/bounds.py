@@ -65,6 +65,11 @@ instead of a share, and searches per micro-batch. Here: gradient-carrying tokens
 first, a share, and per optimizer step over the whole mini-batch and all ranks (per micro-batch is
 still available as the cheaper approximation: call `adaptive_bounds` on each micro-batch).
 
+Settings: `BoundSearch` holds the search's six settings with the paper's defaults (rho0 0.4,
+c_low in [0.6, 0.9] by 0.02, c_high in [1.2, 3.0] by 0.05, weighting none), written and validated
+here once; `losses.bapo_loss`, `BoundAccumulator`, `adaptive_bounds`, the trainer and the CLI's
+`algo` schema all take them from it.
+
 Run it: ``bapo train algo=bapo``; use it from another trainer: see README "How BAPO is implemented".
 """
 
@@ -79,13 +84,21 @@ from typing import Any
 
 import torch
 
+from bapo_cli.algos.params import ParamError, number, one_of, param
+
 __all__ = [
+    "PAPER",
+    "WEIGHTINGS",
     "BapoBounds",
     "BoundAccumulator",
     "BoundPath",
+    "BoundSearch",
     "adaptive_bounds",
     "rho_from_sums",
 ]
+
+# Token weight w in rho: 1, or pi_rollout(y_t) (the paper's Eq. 8).
+WEIGHTINGS = ("none", "rollout_prob")
 
 # A path longer than this is a configuration mistake (e.g. a step of 1e-9), not a search.
 MAX_PATH_POINTS = 100_000
@@ -108,43 +121,43 @@ class BapoBounds:
     steps: int
 
 
-def _check_range(name: str, value: Any) -> tuple[float, float]:
+def range_pair(name: str, value: Any) -> tuple[float, float]:
+    """(min, max) of a range such as `low_range`: two numbers with min <= max."""
     try:
         lo, hi = (float(v) for v in value)
     except (TypeError, ValueError):
-        raise ValueError(f"{name} must be a pair (min, max) of numbers, got {value!r}") from None
-    if not (0.0 < lo <= hi < math.inf):
-        raise ValueError(f"{name} must satisfy 0 < min <= max < inf, got ({lo}, {hi})")
+        raise ParamError(name, value, "must be [min, max], two numbers") from None
+    if lo > hi:
+        raise ParamError(name, value, "min must be <= max")
     return lo, hi
 
 
-def number(name: str, value: Any) -> float:
-    """float(value), or a ValueError naming the parameter."""
-    try:
-        return float(value)
-    except (TypeError, ValueError):
-        raise ValueError(f"{name} must be a number, got {value!r}") from None
+def _check_range(name: str, value: Any) -> tuple[float, float]:
+    lo, hi = range_pair(name, value)
+    if not (lo > 0.0 and hi < math.inf):
+        raise ParamError(name, value, "must satisfy 0 < min <= max < inf")
+    return lo, hi
 
 
 def _check_step(name: str, value: Any) -> float:
     step = number(name, value)
     if not (0.0 < step < math.inf):
-        raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
+        raise ParamError(name, value, "must be a finite number > 0")
     return step
 
 
 def check_rho0(rho0: Any) -> float:
-    """Validate the target share; raise a ValueError naming `rho0`."""
+    """The target share as a float; a ParamError naming `rho0` unless it lies in [0, 1]."""
     value = number("rho0", rho0)
     if not (0.0 <= value <= 1.0):
-        raise ValueError(f"rho0 must lie in [0, 1], got {rho0!r}")
+        raise ParamError("rho0", rho0, "must be within [0, 1]")
     return value
 
 
-def _n_steps(name: str, lo: float, hi: float, step: float) -> int:
+def _n_steps(name: str, step: float, lo: float, hi: float) -> int:
     n = math.floor((hi - lo) / step + STEP_TOLERANCE)
     if n >= MAX_PATH_POINTS:
-        raise ValueError(f"{name} is too small: the path would have {n} points on this range")
+        raise ParamError(name, step, f"too small: the path would have {n} points on its range")
     return n
 
 
@@ -164,6 +177,51 @@ def path_value(start: float, k: int, step: float, stop: float) -> float:
 
 
 @dataclass(frozen=True)
+class BoundSearch:
+    """The settings of Algorithm 1, with the paper's defaults; validated on construction.
+
+    The one place these defaults and rules are written: `losses.bapo_loss`'s keyword arguments,
+    `BoundAccumulator`, `adaptive_bounds`, the trainer and the `algo` schema of `bapo` (its
+    fields, help texts and checks) all come from here. Ranges are stored as tuples of floats.
+    """
+
+    rho0: float = param(0.4, "target share of positive-advantage tokens in the active loss mass")
+    low_range: tuple[float, float] = param((0.6, 0.9), "[a-, b-]: where c_low may move")
+    high_range: tuple[float, float] = param((1.2, 3.0), "[a+, b+]: where c_high may move")
+    low_step: float = param(0.02, "delta2: step of c_low along the search path")
+    high_step: float = param(0.05, "delta1: step of c_high along the search path")
+    weighting: str = param(
+        "none", "token weight in rho: none (w=1) or rollout_prob (w=pi_rollout, paper Eq. 8)"
+    )
+
+    def __post_init__(self) -> None:
+        self.check()
+        for name in ("low_range", "high_range"):
+            object.__setattr__(self, name, tuple(float(v) for v in getattr(self, name)))
+
+    def check(self) -> None:
+        """rho0 in [0, 1], ranges 0 < min <= max < inf, steps > 0 (and not so small that the path
+        explodes), weighting one of WEIGHTINGS. Raises a ParamError naming the setting."""
+        check_rho0(self.rho0)
+        self.path()
+        one_of("weighting", self.weighting, WEIGHTINGS)
+
+    def path(self) -> BoundPath:
+        """The fixed path these settings walk (memoised)."""
+        return BoundPath.build(self.low_range, self.high_range, self.low_step, self.high_step)
+
+    def accumulator(self, dual_clip: float | None = None) -> BoundAccumulator:
+        """An empty `BoundAccumulator` over this path; `solve(self.rho0)` it after adding."""
+        return BoundAccumulator(
+            low_range=self.low_range,
+            high_range=self.high_range,
+            low_step=self.low_step,
+            high_step=self.high_step,
+            dual_clip=dual_clip,
+        )
+
+
+@dataclass(frozen=True)
 class BoundPath:
     """The fixed path of Algorithm 1: point 0, then n_high c_high steps, then n_low c_low steps.
 
@@ -177,10 +235,10 @@ class BoundPath:
     @classmethod
     def build(
         cls,
-        low_range: Sequence[float] = (0.6, 0.9),
-        high_range: Sequence[float] = (1.2, 3.0),
-        low_step: float = 0.02,
-        high_step: float = 0.05,
+        low_range: Sequence[float] = BoundSearch.low_range,
+        high_range: Sequence[float] = BoundSearch.high_range,
+        low_step: float = BoundSearch.low_step,
+        high_step: float = BoundSearch.high_step,
     ) -> BoundPath:
         a_low, b_low = _check_range("low_range", low_range)
         a_high, b_high = _check_range("high_range", high_range)
@@ -211,12 +269,15 @@ def _build_path(
 ) -> BoundPath:
     """The path for validated numbers; memoised (a pure function of immutable inputs) so that a
     loss called every micro-batch does not rebuild it."""
-    n_low = _n_steps("low_step", a_low, b_low, low_step)
+    n_low = _n_steps("low_step", low_step, a_low, b_low)
     # Literal loop guard: no c_low step possible -> the loop never runs, c_high stays too.
-    n_high = _n_steps("high_step", a_high, b_high, high_step) if n_low > 0 else 0
+    n_high = _n_steps("high_step", high_step, a_high, b_high) if n_low > 0 else 0
     high = tuple(path_value(a_high, i, high_step, b_high) for i in range(n_high + 1))
     low = tuple(path_value(a_low, j, low_step, b_low) for j in range(n_low + 1))
     return BoundPath(high_values=high, low_values=low)
+
+
+PAPER = BoundSearch()  # the paper's settings: the defaults of the functions below
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -412,18 +473,19 @@ class BoundAccumulator:
     def __init__(
         self,
         *,
-        low_range: Sequence[float] = (0.6, 0.9),
-        high_range: Sequence[float] = (1.2, 3.0),
-        low_step: float = 0.02,
-        high_step: float = 0.05,
+        low_range: Sequence[float] = PAPER.low_range,
+        high_range: Sequence[float] = PAPER.high_range,
+        low_step: float = PAPER.low_step,
+        high_step: float = PAPER.high_step,
         dual_clip: float | None = None,
     ) -> None:
         self.path = BoundPath.build(low_range, high_range, low_step, high_step)
         dual = None if dual_clip is None else number("dual_clip", dual_clip)
         if dual is not None and not (self.path.low_values[-1] < dual < math.inf):
-            raise ValueError(
-                f"dual_clip must be finite and > the largest c_low "
-                f"({self.path.low_values[-1]}), or None; got {dual_clip!r}"
+            raise ParamError(
+                "dual_clip",
+                dual_clip,
+                f"must be finite and > the largest c_low ({self.path.low_values[-1]}), or None",
             )
         self.dual_clip = dual
         self._lead = 0 if dual_clip is None else 1  # leading bin: dual-clipped negatives
@@ -483,7 +545,7 @@ class BoundAccumulator:
             self._sums = torch.zeros_like(bins, dtype=torch.float64)
         self._sums.add_(bins)
 
-    def solve(self, rho0: float = 0.4, group: Any = None) -> BapoBounds:
+    def solve(self, rho0: float = PAPER.rho0, group: Any = None) -> BapoBounds:
         """Choose the bounds from everything added so far (one all-reduce, one host read).
 
         group: a torch.distributed process group (e.g. ``torch.distributed.group.WORLD``) over
@@ -525,11 +587,11 @@ def adaptive_bounds(
     advantages: torch.Tensor,
     mask: torch.Tensor,
     *,
-    rho0: float = 0.4,
-    low_range: Sequence[float] = (0.6, 0.9),
-    high_range: Sequence[float] = (1.2, 3.0),
-    low_step: float = 0.02,
-    high_step: float = 0.05,
+    rho0: float = PAPER.rho0,
+    low_range: Sequence[float] = PAPER.low_range,
+    high_range: Sequence[float] = PAPER.high_range,
+    low_step: float = PAPER.low_step,
+    high_step: float = PAPER.high_step,
     weights: torch.Tensor | None = None,
     group: Any = None,
     dual_clip: float | None = None,
@@ -540,13 +602,13 @@ def adaptive_bounds(
     negative tokens with r >= dual_clip (they carry no gradient under a dual-clipped loss).
     Returns `BapoBounds` with Python numbers. See the module docstring for the exact semantics.
     """
-    rho0 = check_rho0(rho0)
-    acc = BoundAccumulator(
+    search = BoundSearch(
+        rho0=rho0,
         low_range=low_range,
         high_range=high_range,
         low_step=low_step,
         high_step=high_step,
-        dual_clip=dual_clip,
     )
+    acc = search.accumulator(dual_clip)
     acc.add(ratio, advantages, mask, weights)
-    return acc.solve(rho0, group=group)
+    return acc.solve(search.rho0, group=group)

@@ -25,8 +25,8 @@ does not poison the step. Shapes: [B, T] (advantages may be [B], one per sequenc
 with agg="token-mean". Gradient-accumulation normalisers (`global_tokens`, `global_seqs`) make
 the micro-batch losses sum to the exact mini-batch loss.
 
-Returns ``(loss, metrics)``; metrics are detached 0-dim tensors (no host sync), averaged over
-the valid tokens unless said otherwise:
+Returns ``(loss, metrics)``; every loss reports the same metrics, detached 0-dim tensors (no
+host sync), averaged over the valid tokens unless said otherwise:
 
     clipfrac_low / clipfrac_high  A < 0 with r <= c_low / A > 0 with r >= c_high (dual-clipped
                                   negatives are in neither)
@@ -34,30 +34,47 @@ the valid tokens unless said otherwise:
     ratio_mean, ratio_max         of r_t
     pos_mass, neg_mass            r |A| of the active positive / negative tokens, per valid token
     nonfinite_tokens              count of masked-out non-finite tokens
-    c_low, c_high, rho_before, rho, search_steps   bapo only, Python floats from the search
+    c_low, c_high                 the bounds the loss clipped with (CPU tensors)
+    rho                           positive share of the active mass, pos / (pos + neg) (1 if 0/0)
+    rho_before, search_steps      BAPO: rho at the search's start point and the steps it walked
+                                  (with `rho`, c_low and c_high: Python floats from the search);
+                                  fixed bounds: rho_before = rho, search_steps = 0
+
+Each loss is registered with the dataclass of its parameters (`LossEntry`): fields with defaults
+and help, a `check()` and a `describe()`. The CLI builds the `algo` schema of each loss from it
+and maps the config onto the loss's keyword arguments by field name, so a new loss is this file's
+function and dataclass, a YAML in conf/algo/ and a test (docs/architecture.md).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 import math
-from collections.abc import Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from bapo_cli.algos.bounds import (
+    PAPER,
+    WEIGHTINGS,
     BapoBounds,
-    BoundAccumulator,
-    BoundPath,
-    check_rho0,
+    BoundSearch,
     compute_dtype,
-    number,
+    range_pair,
 )
+from bapo_cli.algos.params import ParamError, number, one_of, param
 from bapo_cli.algos.registry import Registry
 
 __all__ = [
     "AGGREGATIONS",
+    "BOUND_SCOPES",
+    "BapoParams",
+    "ClipHigherParams",
+    "LossEntry",
+    "PPOParams",
     "Tokens",
     "aggregate",
     "prepare_tokens",
@@ -78,10 +95,73 @@ AGGREGATIONS = (
     "seq-mean-token-mean",
     "seq-mean-token-sum-norm",
 )
-WEIGHTINGS = ("none", "rollout_prob")
-REGISTRY: Registry = Registry("loss")
+# Keyword arguments every loss takes besides its own parameters: the algo config's shared
+# options and the gradient-accumulation normalisers the trainer passes.
+COMMON_KWARGS = ("dual_clip", "agg", "global_tokens", "global_seqs", "norm_len")
 
 Tensor = torch.Tensor
+
+
+@dataclass(frozen=True)
+class LossEntry:
+    """A registered loss: its function and the dataclass of its parameters.
+
+    `params` is a frozen dataclass whose fields (defaults + `help`) are the loss's keyword
+    arguments, except fields marked ``trainer=True`` (settings the trainer reads); it validates
+    itself on construction (`check()`) and says what it does in words (`describe()`).
+    `searches_bounds`: the loss picks its bounds from the data with BAPO's search; then its params
+    are a `BoundSearch` with a `bound_scope`, and it takes `bounds=` (solved once per optimizer
+    step by the trainer) and `group=` (ranks to sum over when it searches itself).
+    The protocol is checked at registration, so a loss that breaks it fails on import.
+    """
+
+    name: str
+    fn: Callable[..., tuple[Tensor, dict[str, Any]]]
+    params: type
+    searches_bounds: bool = False
+
+    def __post_init__(self) -> None:
+        where = f"loss {self.name!r}"
+        if not dataclasses.is_dataclass(self.params):
+            raise TypeError(f"{where}: params must be a dataclass, got {self.params!r}")
+        for method in ("check", "describe"):
+            if not callable(getattr(self.params, method, None)):
+                raise TypeError(f"{where}: {self.params.__name__} needs a {method}() method")
+        takes = inspect.signature(self.fn).parameters
+        wanted = [f.name for f in dataclasses.fields(self.params) if not f.metadata.get("trainer")]
+        wanted += list(COMMON_KWARGS)
+        if self.searches_bounds:
+            wanted += ["bounds", "group"]
+            if not issubclass(self.params, BoundSearch) or not hasattr(self.params, "bound_scope"):
+                raise TypeError(
+                    f"{where}: a bound search needs BoundSearch params with bound_scope"
+                )
+        missing = [name for name in wanted if name not in takes]
+        if missing:
+            raise TypeError(f"{where}: {self.fn.__name__} takes no {', '.join(missing)}")
+        for f in dataclasses.fields(self.params):
+            if f.default is dataclasses.MISSING or not f.metadata.get("help"):
+                raise TypeError(
+                    f"{where}: {self.params.__name__}.{f.name} needs a default and help"
+                )
+
+    def read_params(self, source: Any) -> Any:
+        """The validated params, each field read by name from `source` (e.g. an algo config);
+        a ParamError names the field that is not allowed."""
+        return self.params(
+            **{f.name: getattr(source, f.name) for f in dataclasses.fields(self.params)}
+        )
+
+    def loss_kwargs(self, params: Any) -> dict[str, Any]:
+        """The keyword arguments of `fn` that `params` holds."""
+        return {
+            f.name: getattr(params, f.name)
+            for f in dataclasses.fields(params)
+            if not f.metadata.get("trainer")
+        }
+
+
+REGISTRY: Registry[LossEntry] = Registry("loss", entry=LossEntry)
 
 
 def policy_loss(
@@ -93,7 +173,7 @@ def policy_loss(
     **params: Any,
 ) -> tuple[Tensor, dict[str, Any]]:
     """Look up loss `name` in REGISTRY (ppo, clip_higher, bapo) and call it."""
-    return REGISTRY.get(name)(log_prob, old_log_prob, advantages, mask, **params)
+    return REGISTRY.get(name).fn(log_prob, old_log_prob, advantages, mask, **params)
 
 
 # --------------------------------------------------------------------------------------------
@@ -180,9 +260,8 @@ def _check_dual_clip(dual_clip: float | None, c_low_max: float) -> float | None:
         return None
     value = number("dual_clip", dual_clip)
     if not (max(1.0, c_low_max) < value < math.inf):
-        raise ValueError(
-            f"dual_clip must be > 1 and > the largest c_low ({c_low_max}), or None; "
-            f"got {dual_clip!r}"
+        raise ParamError(
+            "dual_clip", dual_clip, f"must be > 1 and > the largest c_low ({c_low_max}), or None"
         )
     return value
 
@@ -297,22 +376,49 @@ def clipped_surrogate(
             "neg_mass": torch.where(active_neg, mass, 0.0).sum() / n,
             "nonfinite_tokens": tok.nonfinite,
         }
+        # The bounds and the positive share at them: what BAPO's search reports, for any loss.
+        pos, total = metrics["pos_mass"], metrics["pos_mass"] + metrics["neg_mass"]
+        rho = torch.where(total > 0, pos / torch.where(total > 0, total, 1.0), 1.0)
+        metrics.update(
+            c_low=torch.tensor(float(c_low), dtype=torch.float64),
+            c_high=torch.tensor(float(c_high), dtype=torch.float64),
+            rho_before=rho,
+            rho=rho,
+            search_steps=torch.zeros((), dtype=torch.float64),
+        )
     return loss, metrics
 
 
 # --------------------------------------------------------------------------------------------
-# The registered losses
+# The registered losses, each with the dataclass of its parameters
 # --------------------------------------------------------------------------------------------
 
 
-@REGISTRY.register("ppo")
+@dataclass(frozen=True)
+class PPOParams:
+    """Symmetric clipping [1 - eps, 1 + eps] (ppo, grpo)."""
+
+    eps: float = param(0.2, "clip range: ratios outside [1 - eps, 1 + eps] are clipped")
+
+    def __post_init__(self) -> None:
+        self.check()
+
+    def check(self) -> None:
+        if not 0.0 < number("eps", self.eps) < 1.0:
+            raise ParamError("eps", self.eps, "must be within (0, 1)")
+
+    def describe(self) -> str:
+        return f"[{1 - self.eps:g}, {1 + self.eps:g}]"
+
+
+@REGISTRY.register("ppo", params=PPOParams)
 def ppo_loss(
     log_prob: Tensor,
     old_log_prob: Tensor,
     advantages: Tensor,
     mask: Tensor,
     *,
-    eps: float = 0.2,
+    eps: float = PPOParams.eps,
     dual_clip: float | None = 3.0,
     agg: str = "token-mean",
     global_tokens: float | Tensor | None = None,
@@ -320,8 +426,7 @@ def ppo_loss(
     norm_len: float | None = None,
 ) -> tuple[Tensor, dict[str, Any]]:
     """PPO-clip with symmetric bounds (1 - eps, 1 + eps); with GRPO advantages this is GRPO."""
-    if not 0.0 < number("eps", eps) < 1.0:
-        raise ValueError(f"eps must lie in (0, 1), got {eps!r}")
+    PPOParams(eps=eps)
     return clip_higher_loss(
         log_prob,
         old_log_prob,
@@ -337,15 +442,35 @@ def ppo_loss(
     )
 
 
-@REGISTRY.register("clip_higher")
+@dataclass(frozen=True)
+class ClipHigherParams:
+    """Decoupled clip range [1 - eps_low, 1 + eps_high] (DAPO's clip-higher)."""
+
+    eps_low: float = param(0.2, "lower clip range: c_low = 1 - eps_low")
+    eps_high: float = param(0.28, "upper clip range: c_high = 1 + eps_high (DAPO default)")
+
+    def __post_init__(self) -> None:
+        self.check()
+
+    def check(self) -> None:
+        if not 0.0 < number("eps_low", self.eps_low) < 1.0:
+            raise ParamError("eps_low", self.eps_low, "must be within (0, 1)")
+        if not 0.0 < number("eps_high", self.eps_high) < math.inf:
+            raise ParamError("eps_high", self.eps_high, "must be a finite number > 0")
+
+    def describe(self) -> str:
+        return f"[{1 - self.eps_low:g}, {1 + self.eps_high:g}]"
+
+
+@REGISTRY.register("clip_higher", params=ClipHigherParams)
 def clip_higher_loss(
     log_prob: Tensor,
     old_log_prob: Tensor,
     advantages: Tensor,
     mask: Tensor,
     *,
-    eps_low: float = 0.2,
-    eps_high: float = 0.28,
+    eps_low: float = ClipHigherParams.eps_low,
+    eps_high: float = ClipHigherParams.eps_high,
     dual_clip: float | None = 3.0,
     agg: str = "token-mean",
     global_tokens: float | Tensor | None = None,
@@ -353,10 +478,7 @@ def clip_higher_loss(
     norm_len: float | None = None,
 ) -> tuple[Tensor, dict[str, Any]]:
     """Asymmetric bounds (1 - eps_low, 1 + eps_high), DAPO's clip-higher (0.2 / 0.28)."""
-    if not 0.0 < number("eps_low", eps_low) < 1.0:
-        raise ValueError(f"eps_low must lie in (0, 1), got {eps_low!r}")
-    if not 0.0 < number("eps_high", eps_high) < math.inf:
-        raise ValueError(f"eps_high must be a finite number > 0, got {eps_high!r}")
+    ClipHigherParams(eps_low=eps_low, eps_high=eps_high)
     c_low, c_high = 1.0 - float(eps_low), 1.0 + float(eps_high)
     dual_clip = _check_dual_clip(dual_clip, c_low)
     _check_agg(agg, log_prob.dim())
@@ -393,13 +515,12 @@ def search_inputs(
     mask: Tensor,
     *,
     dual_clip: float | None = 3.0,
-    weighting: str = "none",
+    weighting: str = PAPER.weighting,
 ) -> dict[str, Tensor]:
     """The (ratio, advantages, mask, weights) that `bapo_loss` feeds its bound search, for a
     trainer that accumulates over micro-batches: ``acc.add(**search_inputs(...))``. Applies the
     same non-finite masking, dual-clip exclusion and weighting as the loss."""
-    if weighting not in WEIGHTINGS:
-        raise ValueError(f"unknown weighting {weighting!r}; valid: {', '.join(WEIGHTINGS)}")
+    one_of("weighting", weighting, WEIGHTINGS)
     with torch.no_grad():
         tok = prepare_tokens(log_prob, old_log_prob, advantages, mask)
         keep = tok.valid
@@ -411,19 +532,57 @@ def search_inputs(
     return {"ratio": tok.r, "advantages": tok.adv, "mask": keep, "weights": weights}
 
 
-@REGISTRY.register("bapo")
+BOUND_SCOPES = ("minibatch", "microbatch")
+
+
+@dataclass(frozen=True)
+class BapoParams(BoundSearch):
+    """BAPO: per-update adaptive (c_low, c_high) so positive tokens carry a share rho0 of loss.
+
+    The search's settings are `BoundSearch`'s (paper defaults); training also keeps the bounds a
+    trust region around r = 1 (c_low within (0, 1], c_high >= 1) and chooses where to search.
+    """
+
+    bound_scope: str = param(
+        "minibatch",
+        "minibatch = paper (one search per optimizer step over all micro-batches and ranks); "
+        "microbatch = cheaper approximation, one search per micro-batch of each rank",
+        trainer=True,
+    )
+
+    def check(self) -> None:
+        low, high = (
+            range_pair("low_range", self.low_range),
+            range_pair("high_range", self.high_range),
+        )
+        if not (low[0] > 0.0 and low[1] <= 1.0):
+            raise ParamError("low_range", self.low_range, "c_low must stay within (0, 1]")
+        if high[0] < 1.0:
+            raise ParamError("high_range", self.high_range, "c_high must stay >= 1")
+        super().check()
+        one_of("bound_scope", self.bound_scope, BOUND_SCOPES)
+
+    def describe(self) -> str:
+        lo, hi = self.low_range, self.high_range
+        return (
+            f"adaptive: c_high {hi[0]}→{hi[1]} by {self.high_step}, then c_low {lo[0]}→{lo[1]} "
+            f"by {self.low_step}, until rho ≥ {self.rho0} (per {self.bound_scope})"
+        )
+
+
+@REGISTRY.register("bapo", params=BapoParams, searches_bounds=True)
 def bapo_loss(
     log_prob: Tensor,
     old_log_prob: Tensor,
     advantages: Tensor,
     mask: Tensor,
     *,
-    rho0: float = 0.4,
-    low_range: Sequence[float] = (0.6, 0.9),
-    high_range: Sequence[float] = (1.2, 3.0),
-    low_step: float = 0.02,
-    high_step: float = 0.05,
-    weighting: str = "none",
+    rho0: float = PAPER.rho0,
+    low_range: tuple[float, float] = PAPER.low_range,
+    high_range: tuple[float, float] = PAPER.high_range,
+    low_step: float = PAPER.low_step,
+    high_step: float = PAPER.high_step,
+    weighting: str = PAPER.weighting,
     bounds: BapoBounds | None = None,
     group: Any = None,
     dual_clip: float | None = 3.0,
@@ -439,28 +598,26 @@ def bapo_loss(
     per-micro-batch approximation. For the exact per-step search with gradient accumulation,
     sum a `BoundAccumulator` over the micro-batches (`search_inputs`), `solve` once and pass the
     result as `bounds` (then rho0, ranges, steps, weighting and group are not used).
-    weighting: "none" (w = 1, default) or "rollout_prob" (w = pi_rollout, paper Eq. 8).
+    The search settings (rho0 ... weighting) are `bounds.BoundSearch`'s, with its defaults.
     """
-    if weighting not in WEIGHTINGS:
-        raise ValueError(f"unknown weighting {weighting!r}; valid: {', '.join(WEIGHTINGS)}")
     _check_agg(agg, log_prob.dim())
     if bounds is None:
-        rho0 = check_rho0(rho0)
-        path_low_max = BoundPath.build(low_range, high_range, low_step, high_step).low_values[-1]
-        dual_clip = _check_dual_clip(dual_clip, path_low_max)
-        acc = BoundAccumulator(
+        search = BoundSearch(
+            rho0=rho0,
             low_range=low_range,
             high_range=high_range,
             low_step=low_step,
             high_step=high_step,
-            dual_clip=dual_clip,
+            weighting=weighting,
         )
+        dual_clip = _check_dual_clip(dual_clip, search.path().low_values[-1])
+        acc = search.accumulator(dual_clip)
         tok = prepare_tokens(log_prob, old_log_prob, advantages, mask)
-        key, mass = _search_key_mass(tok, old_log_prob, weighting)
+        key, mass = _search_key_mass(tok, old_log_prob, search.weighting)
         acc.add_keyed(key, mass, tok.r.dtype)
-        bounds = acc.solve(rho0, group=group)
+        bounds = acc.solve(search.rho0, group=group)
     elif not isinstance(bounds, BapoBounds):
-        raise ValueError(f"bounds must be a BapoBounds or None, got {type(bounds).__name__}")
+        raise ParamError("bounds", bounds, "must be a BapoBounds or None")
     else:
         dual_clip = _check_dual_clip(dual_clip, bounds.c_low)
         tok = prepare_tokens(log_prob, old_log_prob, advantages, mask)

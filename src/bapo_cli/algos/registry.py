@@ -4,33 +4,51 @@ Losses and advantage estimators are chosen by name (`algo=bapo` in the config se
 `losses.REGISTRY["bapo"]`). The registry is the one list of valid names: docs, `--help` and test
 parametrization read its keys. It refuses duplicate names and an unknown name raises a ValueError
 that lists the valid ones, e.g. ``unknown loss 'foo'; valid: bapo, clip_higher, ppo``.
+
+A registry may store an entry built around the function instead of the bare function: the loss
+registry keeps each loss with its parameter dataclass,
+``@REGISTRY.register("clip_higher", params=ClipHigherParams)`` (see `losses.LossEntry`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
-F = TypeVar("F", bound=Callable)
+F = TypeVar("F")
 
 
 class Registry(Generic[F]):
-    """Maps names to callables. `kind` names what is registered ("loss", "advantage estimator")."""
+    """Maps names to callables, or to entries built around them by `entry`.
 
-    def __init__(self, kind: str) -> None:
+    `kind` names what is registered ("loss", "advantage estimator"). `entry(name, fn, **options)`,
+    if given, makes what is stored from the decorated function and the options of `register`.
+    """
+
+    def __init__(self, kind: str, entry: Callable[..., F] | None = None) -> None:
         self.kind = kind
+        self._entry = entry
         self._items: dict[str, F] = {}
 
-    def register(self, name: str) -> Callable[[F], F]:
-        """Decorator: ``@REGISTRY.register("ppo")``. Refuses a name that is already taken."""
+    def register(self, name: str, **options: Any) -> Callable[[Callable], Callable]:
+        """Decorator: ``@REGISTRY.register("ppo")``. Refuses a name that is already taken.
 
-        def decorate(fn: F) -> F:
+        Returns the function unchanged, so it stays a plain function to call and import."""
+        if options and self._entry is None:
+            raise TypeError(f"a {self.kind} registry takes no options, got {sorted(options)}")
+
+        def decorate(fn: Callable) -> Callable:
             if name in self._items:
                 raise ValueError(f"{self.kind} {name!r} is already registered")
-            self._items[name] = fn
+            self._items[name] = fn if self._entry is None else self._entry(name, fn, **options)
             return fn
 
         return decorate
+
+    def remove(self, name: str) -> None:
+        """Forget `name` (a test that registers a toy loss cleans up with this)."""
+        self.get(name)
+        del self._items[name]
 
     def get(self, name: str) -> F:
         try:

@@ -8,12 +8,19 @@ walks a config and prefixes the dotted key, so every failure reads as one line s
 
 Each field's `help` is the only documentation of that option: `bapo config --help` and the README
 point here, and a test checks that no field is undocumented.
+
+The `algo` group has one schema per registered loss, `_<loss>_schema`, generated from the loss
+registry (`algo_schemas()`): `AlgoConfig`'s shared options plus the fields of the loss's params
+dataclass (`bapo_cli.algos.losses`), whose defaults, help and `check()` live with the loss. A new
+loss therefore needs no edit here.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
+import typing
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -143,72 +150,69 @@ class AlgoConfig:
             raise ConfigError("dual_clip", self.dual_clip, "must be > 1 (or null to disable)")
 
 
-@dataclass
-class PPOAlgoConfig(AlgoConfig):
-    """Symmetric clipping [1 - eps, 1 + eps] (ppo, grpo)."""
-
-    eps: float = opt(0.2, "clip range: ratios outside [1 - eps, 1 + eps] are clipped")
-
-    def check(self) -> None:
-        super().check()
-        if not 0.0 < self.eps < 1.0:
-            raise ConfigError("eps", self.eps, "must be within (0, 1)")
+def algo_schemas() -> dict[str, type]:
+    """`_<loss>_schema` -> the algo schema of every registered loss (generated, memoised)."""
+    return {f"_{loss}_schema": cls for loss, cls in _schemas_by_loss().items()}
 
 
-@dataclass
-class ClipHigherAlgoConfig(AlgoConfig):
-    """Decoupled clip range [1 - eps_low, 1 + eps_high] (DAPO's clip-higher)."""
+def _schemas_by_loss() -> dict[str, type]:
+    from bapo_cli.algos import losses
 
-    eps_low: float = opt(0.2, "lower clip range: c_low = 1 - eps_low")
-    eps_high: float = opt(0.28, "upper clip range: c_high = 1 + eps_high (DAPO default)")
-
-    def check(self) -> None:
-        super().check()
-        if not 0.0 < self.eps_low < 1.0:
-            raise ConfigError("eps_low", self.eps_low, "must be within (0, 1)")
-        _positive("eps_high", self.eps_high)
+    return {name: _algo_schema(losses.REGISTRY.get(name)) for name in losses.REGISTRY}
 
 
-WEIGHTINGS = ("none", "rollout_prob")
-BOUND_SCOPES = ("minibatch", "microbatch")
+def _schema_type(hint: Any) -> Any:
+    """The params' field type as OmegaConf takes it: a tuple (a range) becomes a list."""
+    if typing.get_origin(hint) is tuple:
+        return list[typing.get_args(hint)[0]]
+    return hint
 
 
-@dataclass
-class BapoAlgoConfig(AlgoConfig):
-    """BAPO: per-update adaptive (c_low, c_high) so positive tokens carry a share rho0 of loss."""
+@functools.cache
+def _algo_schema(entry: Any) -> type:
+    """AlgoConfig's fields + the fields of `entry.params` (type, default, help), checked by
+    AlgoConfig.check and the params' own check (its ParamError becomes a ConfigError)."""
+    from bapo_cli.algos.params import ParamError
 
-    rho0: float = opt(0.4, "target share of positive-advantage tokens in the active loss mass")
-    low_range: list[float] = opt([0.6, 0.9], "[a-, b-]: where c_low may move")
-    high_range: list[float] = opt([1.2, 3.0], "[a+, b+]: where c_high may move")
-    low_step: float = opt(0.02, "delta2: step of c_low along the search path")
-    high_step: float = opt(0.05, "delta1: step of c_high along the search path")
-    weighting: str = opt(
-        "none", "token weight in rho: none (w=1) or rollout_prob (w=pi_rollout, paper Eq. 8)"
+    hints = typing.get_type_hints(entry.params)
+    own = [
+        (
+            f.name,
+            _schema_type(hints[f.name]),
+            opt(list(f.default) if isinstance(f.default, tuple) else f.default, f.metadata["help"]),
+        )
+        for f in dataclasses.fields(entry.params)
+    ]
+
+    def check(self: Any) -> None:
+        AlgoConfig.check(self)
+        if self.loss != entry.name:
+            raise ConfigError(
+                "loss",
+                self.loss,
+                f"this preset holds the options of loss {entry.name}; choose "
+                f"an algo preset of loss {self.loss} instead (algo=...)",
+            )
+        try:
+            entry.read_params(self)
+        except ParamError as err:
+            raise ConfigError(err.key, err.value, err.message) from None
+
+    name = entry.params.__name__.removesuffix("Params") + "AlgoConfig"
+    cls = dataclasses.make_dataclass(
+        name, own, bases=(AlgoConfig,), namespace={"check": check, "__doc__": entry.params.__doc__}
     )
-    bound_scope: str = opt(
-        "minibatch",
-        "minibatch = paper (one search per optimizer step over all micro-batches and ranks); "
-        "microbatch = cheaper approximation, one search per micro-batch of each rank",
-    )
+    cls.__module__ = __name__  # pickled by name: `schema.<name>` resolves through __getattr__
+    return cls
 
-    def check(self) -> None:
-        super().check()
-        if not 0.0 <= self.rho0 <= 1.0:
-            raise ConfigError("rho0", self.rho0, "must be within [0, 1]")
-        for key, rng in (("low_range", self.low_range), ("high_range", self.high_range)):
-            if len(rng) != 2:
-                raise ConfigError(key, list(rng), "must be [min, max]")
-            if rng[0] > rng[1]:
-                raise ConfigError(key, list(rng), "min must be <= max")
-        lo, hi = self.low_range, self.high_range
-        if not (lo[0] > 0.0 and lo[1] <= 1.0):
-            raise ConfigError("low_range", list(lo), "c_low must stay within (0, 1]")
-        if hi[0] < 1.0:
-            raise ConfigError("high_range", list(hi), "c_high must stay >= 1")
-        _positive("low_step", self.low_step)
-        _positive("high_step", self.high_step)
-        _one_of("weighting", self.weighting, WEIGHTINGS)
-        _one_of("bound_scope", self.bound_scope, BOUND_SCOPES)
+
+def __getattr__(name: str) -> type:
+    """`schema.BapoAlgoConfig`, `schema.PPOAlgoConfig`, ...: the generated algo schemas."""
+    if name.endswith("AlgoConfig"):
+        for cls in algo_schemas().values():
+            if cls.__name__ == name:
+                return cls
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 # ---------------------------------------------------------------------------- staleness / data
@@ -587,21 +591,21 @@ class EvalRunConfig:
 
 # ---------------------------------------------------------------------------------- validation
 
-ALGO_SCHEMAS = {
-    "_ppo_schema": PPOAlgoConfig,
-    "_clip_higher_schema": ClipHigherAlgoConfig,
-    "_bapo_schema": BapoAlgoConfig,
-}
-
 
 def register() -> None:
-    """Put the schemas into Hydra's ConfigStore (idempotent)."""
+    """Put the schemas into Hydra's ConfigStore (idempotent): exactly one algo schema per
+    registered loss (a schema whose loss was removed from the registry is dropped)."""
     from hydra.core.config_store import ConfigStore
 
     cs = ConfigStore.instance()
     cs.store(name="_train_schema", node=TrainConfig)
     cs.store(name="_eval_schema", node=EvalRunConfig)
-    for name, node in ALGO_SCHEMAS.items():
+    schemas = algo_schemas()
+    stored = cs.repo.get("algo", {})
+    for key in [k for k in stored if k.endswith("_schema.yaml")]:
+        if key.removesuffix(".yaml") not in schemas:
+            del stored[key]
+    for name, node in schemas.items():
         cs.store(group="algo", name=name, node=node)
 
 
@@ -620,7 +624,10 @@ def validate(config: Any, prefix: str = "") -> None:
 
 
 def _type_name(f: dataclasses.Field) -> str:
-    text = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
+    if isinstance(f.type, str) or typing.get_origin(f.type) is not None:
+        text = str(f.type)  # "float | None", list[float]
+    else:
+        text = getattr(f.type, "__name__", str(f.type))
     return text.replace("Config", "")
 
 
@@ -630,11 +637,18 @@ def _default_text(f: dataclasses.Field) -> str:
     return "" if f.default is MISSING else str(f.default)
 
 
-ALGO_PRESETS_OF = {
-    PPOAlgoConfig: "ppo, grpo",
-    ClipHigherAlgoConfig: "clip_higher",
-    BapoAlgoConfig: "bapo",
-}
+def _presets_of(loss: str) -> str:
+    """The algo presets (conf/algo/*.yaml) that use `loss`, e.g. `ppo, grpo`; else the loss."""
+    import yaml
+
+    from bapo_cli.config.hydra_runner import config_dir
+
+    presets = [
+        path.stem
+        for path in sorted((config_dir() / "algo").glob("*.yaml"))
+        if (yaml.safe_load(path.read_text()) or {}).get("loss") == loss
+    ]
+    return ", ".join(presets) if presets else f"loss={loss}"
 
 
 def option_docs(top: type, prefix: str = "") -> list[tuple[str, str, str, str]]:
@@ -645,8 +659,9 @@ def option_docs(top: type, prefix: str = "") -> list[tuple[str, str, str, str]]:
         nested = _nested_schema(top, f)
         if f.name == "algo" and top is TrainConfig:
             rows += option_docs(AlgoConfig, "algo.")
-            for cls, presets in ALGO_PRESETS_OF.items():
-                own = {g.name for g in dataclasses.fields(AlgoConfig)}
+            own = {g.name for g in dataclasses.fields(AlgoConfig)}
+            for loss, cls in _schemas_by_loss().items():
+                presets = _presets_of(loss)
                 for row in option_docs(cls, "algo."):
                     if row[0].removeprefix("algo.") not in own:
                         rows.append((row[0], row[1], row[2], f"[{presets}] {row[3]}"))

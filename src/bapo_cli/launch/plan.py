@@ -12,13 +12,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from bapo_cli.config.schema import (
-    BapoAlgoConfig,
-    ClipHigherAlgoConfig,
-    EvalRunConfig,
-    PPOAlgoConfig,
-    TrainConfig,
-)
+from bapo_cli.config.schema import EvalRunConfig, TrainConfig
 from bapo_cli.tracking import redact
 
 
@@ -38,17 +32,10 @@ def resolve_engine(name: str, device: str | None = None) -> tuple[str, str]:
 
 
 def describe_clip(algo: object) -> str:
-    if isinstance(algo, BapoAlgoConfig):
-        lo, hi = algo.low_range, algo.high_range
-        return (
-            f"adaptive: c_high {hi[0]}→{hi[1]} by {algo.high_step}, then c_low {lo[0]}→{lo[1]} "
-            f"by {algo.low_step}, until rho ≥ {algo.rho0} (per {algo.bound_scope})"
-        )
-    if isinstance(algo, ClipHigherAlgoConfig):
-        return f"[{1 - algo.eps_low:g}, {1 + algo.eps_high:g}]"
-    if isinstance(algo, PPOAlgoConfig):
-        return f"[{1 - algo.eps:g}, {1 + algo.eps:g}]"
-    return "?"
+    """The clip bounds in words, from the loss's params (`describe()`), whatever the loss."""
+    from bapo_cli.algos import losses
+
+    return losses.REGISTRY.get(algo.loss).read_params(algo).describe()
 
 
 def describe_staleness(k: int, regime: str, epochs: int) -> str:

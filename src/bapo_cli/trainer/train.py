@@ -453,7 +453,7 @@ def _train_step(
         step_s=step_s,
         new_tokens=new_tokens,
         trained_tokens=trained_tokens,
-        is_bapo=spec.name == "bapo",
+        searched=spec.searches_bounds,
     )
     metrics.update(collector.take_mismatch())  # rollout/logprob_abs_diff_* (engine log-probs)
     return metrics, update_metrics, batch
@@ -480,8 +480,11 @@ def _step_metrics(
     step_s,
     new_tokens,
     trained_tokens,
-    is_bapo,
+    searched,
 ) -> dict[str, float]:
+    """The step's logged numbers. Every loss reports its bounds and the positive share of the
+    active mass (`actor/c_low`, `actor/c_high`, `actor/rho`); a loss that searches its bounds
+    (`searched`, BAPO) also logs the search under `bapo/`."""
     rewards = [s.reward for s in batch]
     lengths = [len(s.response_ids) for s in batch]
     out: dict[str, float] = {
@@ -512,16 +515,18 @@ def _step_metrics(
         "nonfinite_tokens": "actor/nonfinite_tokens",
         "c_low": "actor/c_low",
         "c_high": "actor/c_high",
+        "rho": "actor/rho",
         "staleness_mean": "staleness/mean",
     }
-    if is_bapo:
-        names.update(rho_before="bapo/rho_before", rho="bapo/rho", search_steps="bapo/search_steps")
+    if searched:
+        names.update(rho_before="bapo/rho_before", search_steps="bapo/search_steps")
     for key, name in names.items():
         values = [u[key] for u in updates if key in u]
         if values:
             out[name] = sum(values) / len(values)
-    if is_bapo:
-        out["bapo/c_low"], out["bapo/c_high"] = out["actor/c_low"], out["actor/c_high"]
+    if searched:
+        for key in ("c_low", "c_high", "rho"):
+            out[f"bapo/{key}"] = out[f"actor/{key}"]
     out["staleness/max"] = max((u.get("staleness_max", 0.0) for u in updates), default=0.0)
     out["actor/ratio_max"] = max((u.get("ratio_max", 0.0) for u in updates), default=0.0)
     for key in updates[0] if updates else []:

@@ -1,5 +1,9 @@
 """One optimizer update on one mini-batch: micro-batches, BAPO's bound search, loss, backward, step.
 
+Nothing here is specific to one loss: `loss_spec` reads the loss's parameters from the algo config
+by the fields of its registered params dataclass, and a loss that searches its bounds
+(`LossEntry.searches_bounds`, i.e. BAPO) gets the per-update search below.
+
 The order is the paper's: for BAPO the bounds are solved once per optimizer update over the whole
 mini-batch (all micro-batches of gradient accumulation), then every micro-batch's loss uses them.
 With one micro-batch that costs nothing extra (the forward that feeds the search is the one that is
@@ -23,13 +27,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
 
 from bapo_cli.algos import diagnostics, losses
-from bapo_cli.algos.bounds import BapoBounds, BoundAccumulator
+from bapo_cli.algos.bounds import BapoBounds, BoundSearch
 from bapo_cli.trainer.distributed import DistContext
 from bapo_cli.trainer.policy import MicroBatch, token_logprobs
 
@@ -41,36 +45,33 @@ class LossSpec:
     """What the loss needs from the algo config, as plain values."""
 
     name: str  # losses.REGISTRY key
-    params: dict[str, Any]  # the loss's own parameters (eps, ranges, dual_clip, agg, ...)
-    bound_scope: str = "minibatch"  # bapo only
+    params: dict[str, Any]  # the loss's keyword arguments (its params' fields, dual_clip, agg)
+    bound_scope: str = "minibatch"  # a bound-searching loss: per optimizer step or micro-batch
     kl_coef: float = 0.0
-    search: dict[str, Any] = field(default_factory=dict)  # bapo: rho0, ranges, steps, weighting
+
+    @property
+    def searches_bounds(self) -> bool:
+        """The loss chooses its bounds with BAPO's search (see `optimizer_update`)."""
+        return losses.REGISTRY.get(self.name).searches_bounds
+
+    @property
+    def search(self) -> BoundSearch:
+        """The bound search's settings, read from the loss's parameters (defaults for any
+        that a hand-built spec leaves out)."""
+        names = [f.name for f in fields(BoundSearch) if f.name in self.params]
+        return BoundSearch(**{name: self.params[name] for name in names})
 
 
 def loss_spec(algo: Any) -> LossSpec:
-    """Algo config dataclass → LossSpec (the only place that knows both)."""
-    common = {"dual_clip": algo.dual_clip, "agg": algo.agg}
-    kl = float(getattr(algo, "kl_coef", 0.0))
-    if algo.loss == "ppo":
-        return LossSpec("ppo", {**common, "eps": algo.eps}, kl_coef=kl)
-    if algo.loss == "clip_higher":
-        return LossSpec(
-            "clip_higher",
-            {**common, "eps_low": algo.eps_low, "eps_high": algo.eps_high},
-            kl_coef=kl,
-        )
-    search = {
-        "low_range": tuple(algo.low_range),
-        "high_range": tuple(algo.high_range),
-        "low_step": algo.low_step,
-        "high_step": algo.high_step,
-    }
+    """Algo config dataclass → LossSpec, for any registered loss: the fields of the loss's params
+    dataclass are read from the config by name (validated there), plus the shared options."""
+    entry = losses.REGISTRY.get(algo.loss)
+    params = entry.read_params(algo)
     return LossSpec(
-        "bapo",
-        {**common, **search, "rho0": algo.rho0, "weighting": algo.weighting},
-        bound_scope=algo.bound_scope,
-        kl_coef=kl,
-        search={**search, "rho0": algo.rho0, "weighting": algo.weighting},
+        entry.name,
+        {"dual_clip": algo.dual_clip, "agg": algo.agg, **entry.loss_kwargs(params)},
+        bound_scope=params.bound_scope if entry.searches_bounds else "minibatch",
+        kl_coef=float(getattr(algo, "kl_coef", 0.0)),
     )
 
 
@@ -83,19 +84,15 @@ def solve_bounds(
 ) -> BapoBounds:
     """BAPO's per-update search over every token of the mini-batch (one extra no-grad forward),
     summed over the ranks of `group`."""
-    acc = BoundAccumulator(
-        low_range=spec.search["low_range"],
-        high_range=spec.search["high_range"],
-        low_step=spec.search["low_step"],
-        high_step=spec.search["high_step"],
-    )
+    search = spec.search
+    acc = search.accumulator()
     with torch.no_grad():
         for mb in micro:
             logp, _ = token_logprobs(model, mb, temperature)
             if mb.old_is_current:  # see optimizer_update: the behaviour policy is these weights
                 mb.old_log_prob, mb.old_is_current = logp, False
             acc.add(**_search_inputs(logp, mb, spec))
-    return acc.solve(spec.search["rho0"], group=group)
+    return acc.solve(search.rho0, group=group)
 
 
 def _search_inputs(logp: Tensor, mb: MicroBatch, spec: LossSpec) -> dict[str, Tensor]:
@@ -105,7 +102,7 @@ def _search_inputs(logp: Tensor, mb: MicroBatch, spec: LossSpec) -> dict[str, Te
         mb.advantages,
         mb.mask,
         dual_clip=spec.params["dual_clip"],
-        weighting=spec.search["weighting"],
+        weighting=spec.search.weighting,
     )
 
 
@@ -143,7 +140,7 @@ def optimizer_update(
         "global_seqs": max(all_seqs, 1.0) / w,
         "norm_len": norm_len,
     }
-    per_step_search = spec.name == "bapo" and spec.bound_scope == "minibatch"
+    per_step_search = spec.searches_bounds and spec.bound_scope == "minibatch"
     bounds: BapoBounds | None = None
     if per_step_search and len(micro) > 1:
         bounds = solve_bounds(model, micro, spec, temperature, ctx.group)
@@ -180,8 +177,7 @@ def optimizer_update(
             ok = torch.isfinite(loss.detach())
             finite = ok if finite is None else finite & ok
             loss.backward()
-            c_low, c_high = _bounds_used(spec, bounds, m)
-            m["c_low"], m["c_high"] = c_low, c_high
+            c_low, c_high = float(m["c_low"]), float(m["c_high"])  # what the loss clipped with
             m["entropy"] = torch.where(mb.mask, entropy, 0.0).sum() / max(mb.num_tokens, 1)
             quad = diagnostics.quadrant_table(
                 logp,
@@ -205,38 +201,17 @@ def optimizer_update(
     optimizer.zero_grad(set_to_none=True)
     metrics = _combine(weights, tokens)
     metrics["grad_norm"] = grad_norm
-    if bounds is not None:
-        metrics.update(
-            rho_before=bounds.rho_before, rho=bounds.rho, search_steps=float(bounds.steps)
-        )
     return UpdateResult(metrics, skipped, tokens)
-
-
-def _bounds_used(
-    spec: LossSpec, bounds: BapoBounds | None, m: dict[str, Any]
-) -> tuple[float, float]:
-    """The (c_low, c_high) this micro-batch's loss clipped with."""
-    if spec.name == "ppo":
-        return 1 - spec.params["eps"], 1 + spec.params["eps"]
-    if spec.name == "clip_higher":
-        return 1 - spec.params["eps_low"], 1 + spec.params["eps_high"]
-    if bounds is not None:
-        return bounds.c_low, bounds.c_high
-    return float(m["c_low"]), float(m["c_high"])  # per-micro-batch search
 
 
 def _single_pass_bounds(
     logp: Tensor, mb: MicroBatch, spec: LossSpec, group: Any = None
 ) -> BapoBounds:
     """One micro-batch is the whole mini-batch: search on the forward we back-propagate."""
-    acc = BoundAccumulator(
-        low_range=spec.search["low_range"],
-        high_range=spec.search["high_range"],
-        low_step=spec.search["low_step"],
-        high_step=spec.search["high_step"],
-    )
+    search = spec.search
+    acc = search.accumulator()
     acc.add(**_search_inputs(logp, mb, spec))
-    return acc.solve(spec.search["rho0"], group=group)
+    return acc.solve(search.rho0, group=group)
 
 
 def tis_weights(mb: MicroBatch, cap: float) -> Tensor:

@@ -1,0 +1,193 @@
+"""Adding a loss is its function, its params dataclass and a YAML: nothing else changes.
+
+A toy loss registered here, in a test module, gets its `_toy_schema` from the registry, composes
+from a YAML, validates with its own rules, maps onto the loss's arguments, describes itself in the
+run plan, and trains through the unchanged `optimizer_update` with the full metric set.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+from bapo_cli.algos import losses
+from bapo_cli.algos.params import ParamError, param
+from bapo_cli.config import hydra_runner, schema
+from bapo_cli.config.errors import ConfigError
+from bapo_cli.config.preflight import to_validated
+from bapo_cli.launch import plan
+from bapo_cli.trainer.policy import ResponseLogits, collate
+from bapo_cli.trainer.train import _step_metrics
+from bapo_cli.trainer.update import loss_spec, optimizer_update
+from tests.algos.test_losses import LOSS_METRICS
+from tests.train.test_distributed import _global_batch, _model
+
+
+@dataclass(frozen=True)
+class ToyParams:
+    """Toy: fixed bounds written as the bounds themselves."""
+
+    c_low: float = param(0.7, "lower clip bound")
+    c_high: float = param(1.5, "upper clip bound")
+
+    def __post_init__(self) -> None:
+        self.check()
+
+    def check(self) -> None:
+        if not 0.0 < self.c_low <= 1.0:
+            raise ParamError("c_low", self.c_low, "must be within (0, 1]")
+        if self.c_high < 1.0:
+            raise ParamError("c_high", self.c_high, "must be >= 1")
+
+    def describe(self) -> str:
+        return f"toy [{self.c_low:g}, {self.c_high:g}]"
+
+
+def toy_loss(
+    log_prob,
+    old_log_prob,
+    advantages,
+    mask,
+    *,
+    c_low: float = ToyParams.c_low,
+    c_high: float = ToyParams.c_high,
+    dual_clip=3.0,
+    agg="token-mean",
+    global_tokens=None,
+    global_seqs=None,
+    norm_len=None,
+):
+    ToyParams(c_low=c_low, c_high=c_high)
+    tok = losses.prepare_tokens(log_prob, old_log_prob, advantages, mask)
+    return losses.clipped_surrogate(
+        tok,
+        c_low,
+        c_high,
+        dual_clip=dual_clip,
+        agg=agg,
+        global_tokens=global_tokens,
+        global_seqs=global_seqs,
+        norm_len=norm_len,
+    )
+
+
+TOY_YAML = """# bapo train algo=toy
+defaults:
+  - _toy_schema
+  - _self_
+name: toy
+loss: toy
+advantage: grpo
+c_high: 1.8
+"""
+
+
+@pytest.fixture
+def toy(tmp_path: Path):
+    """The toy loss registered (and removed afterwards), and a config dir holding algo/toy.yaml."""
+    losses.REGISTRY.register("toy", params=ToyParams)(toy_loss)
+    (tmp_path / "algo").mkdir()
+    (tmp_path / "algo" / "toy.yaml").write_text(TOY_YAML)
+    yield tmp_path
+    losses.REGISTRY.remove("toy")
+    assert "toy" not in losses.REGISTRY
+    schema.register()  # drops `_toy_schema` from Hydra's ConfigStore again
+    assert "_toy_schema" not in schema.algo_schemas()
+
+
+def _compose(conf: Path, *overrides: str):
+    extra = [f"hydra.searchpath=[file://{conf}]", "algo=toy", *overrides]
+    return to_validated(hydra_runner.compose("train", hydra_runner.normalize_overrides(extra)))
+
+
+def test_a_registered_loss_composes_validates_and_maps_to_its_arguments(toy) -> None:
+    cfg = _compose(toy)
+    assert type(cfg.algo).__name__ == "ToyAlgoConfig"
+    assert isinstance(cfg.algo, schema.AlgoConfig)
+    assert (cfg.algo.c_low, cfg.algo.c_high) == (0.7, 1.8)  # params default, YAML value
+    spec = loss_spec(cfg.algo)
+    assert spec.name == "toy" and not spec.searches_bounds
+    assert spec.params == {"dual_clip": 3.0, "agg": "token-mean", "c_low": 0.7, "c_high": 1.8}
+    assert plan.describe_clip(cfg.algo) == "toy [0.7, 1.8]"
+    # its own rule, reported as a config error under algo.
+    with pytest.raises(ConfigError) as info:
+        _compose(toy, "algo.c_high=0.5")
+    assert info.value.line() == "algo.c_high=0.5: must be >= 1"
+    # its options are in the generated docs, with their help
+    docs = {row[0]: row[3] for row in schema.option_docs(schema.TrainConfig)}
+    assert docs["algo.c_low"] == "[loss=toy] lower clip bound"
+
+
+def test_a_registered_loss_trains_through_the_unchanged_update(toy) -> None:
+    cfg = _compose(toy, "algo.c_low=0.9", "algo.c_high=1.1")
+    spec = loss_spec(cfg.algo)
+    model = _model()
+    before = [p.detach().clone() for p in model.parameters()]
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    samples = _global_batch(model)
+    micro = []
+    for i in range(0, len(samples), 12):
+        mb = collate(samples[i : i + 12], 0, torch.device("cpu"))
+        mb.advantages = torch.tensor([s.advantage for s in mb.samples])
+        micro.append(mb)
+    result = optimizer_update(
+        ResponseLogits(model), optimizer, micro, spec, temperature=1.0, grad_clip=None, version=0
+    )
+    m = result.metrics
+    assert set(m) >= LOSS_METRICS
+    assert (m["c_low"], m["c_high"], m["search_steps"]) == (0.9, 1.1, 0.0)
+    assert 0.0 < m["rho"] < 1.0 and m["rho_before"] == m["rho"]
+    assert m["clipfrac_low"] + m["clipfrac_high"] > 0  # the ratios are stale: some clip
+    assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+    m["skipped"] = 0.0
+    for s in samples:
+        s.reward = float(s.advantage > 0)
+    logged = _step_metrics(
+        samples,
+        {},
+        [m],
+        optimizer,
+        rollout_s=1.0,
+        train_s=1.0,
+        sync_s=0.0,
+        step_s=2.0,
+        new_tokens=1,
+        trained_tokens=1,
+        searched=spec.searches_bounds,
+    )
+    assert (logged["actor/c_low"], logged["actor/c_high"]) == (0.9, 1.1)
+    assert logged["actor/rho"] == m["rho"]
+    assert not any(key.startswith("bapo/") for key in logged)
+
+
+def test_a_loss_that_breaks_the_protocol_fails_at_registration() -> None:
+    def no_c_high(log_prob, old_log_prob, advantages, mask, *, c_low=0.7, **_common):
+        raise AssertionError("never called")
+
+    with pytest.raises(TypeError, match="takes no c_high"):
+        losses.REGISTRY.register("broken", params=ToyParams)(no_c_high)
+    assert "broken" not in losses.REGISTRY
+    with pytest.raises(TypeError, match="BoundSearch params"):
+        losses.REGISTRY.register("broken", params=ToyParams, searches_bounds=True)(toy_loss)
+    assert "broken" not in losses.REGISTRY
+
+
+def test_the_toy_leaves_no_schema_behind(toy) -> None:
+    schema.register()
+    assert "_toy_schema" in schema.algo_schemas()
+    losses.REGISTRY.remove("toy")
+    schema.register()
+    options = [job[0] for job in hydra_runner.expand_sweep(["algo=glob(_*)"])]
+    assert options == ["algo=_bapo_schema", "algo=_clip_higher_schema", "algo=_ppo_schema"]
+    losses.REGISTRY.register("toy", params=ToyParams)(toy_loss)  # for the fixture's teardown
+
+
+def test_a_mismatched_loss_and_preset_is_one_line() -> None:
+    from bapo_cli.config.preflight import PreflightError, preflight
+
+    with pytest.raises(PreflightError) as info:
+        preflight("train", ["algo=grpo", "algo.loss=bapo"])
+    assert str(info.value).startswith("algo.loss=bapo: this preset holds the options of loss ppo")
