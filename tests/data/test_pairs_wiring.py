@@ -18,13 +18,14 @@ def test_bapo_config_data_pairs_composes_and_validates() -> None:
     result = CliRunner().invoke(app, ["config", "data=pairs"])
     assert result.exit_code == 0, result.output
     data = yaml.safe_load(result.output)["data"]
-    assert (data["kind"], data["template"], data["name"]) == ("pairs", "{problem}>", "pairs")
+    assert (data["kind"], data["template"], data["name"]) == ("pairs", "{problem}!", "pairs")
 
 
 def test_experiment_preset_sets_model_and_budget() -> None:
     cfg = preflight("train", ["experiment=pairs"]).config
-    assert (cfg.data.kind, cfg.model.tiny.task, cfg.rollout.max_tokens) == ("pairs", "pairs", 48)
-    assert cfg.model.max_model_len >= 11 + 48  # "<bos>318597:12>" + the response budget
+    assert (cfg.data.kind, cfg.model.tiny.task, cfg.rollout.max_tokens) == ("pairs", "pairs", 40)
+    # "<bos>318596:?+?=12!" + the response budget, and validation's max_model_len // 2 cap
+    assert cfg.model.max_model_len >= max(15 + 40, 2 * 40)
 
 
 def test_data_kinds_match_the_reward_registry() -> None:
@@ -39,14 +40,14 @@ def test_data_kinds_match_the_reward_registry() -> None:
 
 
 def test_pairs_prompt_set() -> None:
-    ps = build_prompt_set(DataConfig(kind="pairs", template="{problem}>", num_prompts=64))
+    ps = build_prompt_set(DataConfig(kind="pairs", template="{problem}!", num_prompts=64))
     assert len(ps) == 64 and ps.reward_fn is pairs_reward
     assert ps.source == "pairs (seed 0)"
     assert {p.id for p in ps.items} == {p.id for p in PairTask(0).prompts(64)}
     p = ps.items[0]
-    assert ps.render(p) == f"{p.question}>"
+    assert ps.render(p) == f"{p.question}!"
     a, b = p.answer.split(",")
-    assert ps.reward_fn(f"{a}+{b}={int(a) + int(b)};!{a},{b}", p.answer) == 1.0
+    assert ps.reward_fn(f"{a}+{b}={int(a) + int(b)}!", p.answer) == 1.0
 
 
 def test_pairs_validation_set() -> None:
@@ -56,8 +57,8 @@ def test_pairs_validation_set() -> None:
     (name, problems, kwargs), (arith_name, _, arith_kwargs) = validation_sets(cfg)
     assert (name, arith_name) == ("pairs", "arith")
     assert problems == PairTask(123).held_out(5)  # the held-out split, whatever the seed
-    assert kwargs["template"] == "{problem}>" and arith_kwargs["template"] == "{problem}="
+    assert kwargs["template"] == "{problem}!" and arith_kwargs["template"] == "{problem}="
     a, b = problems[0].answer.split(",")
-    right = f"{a}+{b}={int(a) + int(b)};!{b},{a}"
+    right = f"{b}+{a}={int(a) + int(b)}!"
     assert kwargs["grader"]([right, right + ";"], [problems[0].answer] * 2) == [True, False]
     assert kwargs["answer_of"](right) == problems[0].answer

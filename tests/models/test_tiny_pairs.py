@@ -15,7 +15,7 @@ from bapo_cli.data.pairs import PAIRS_MAX_TOKENS, PairTask, named_pair
 from bapo_cli.data.tasks import ArithTask
 from bapo_cli.models import tiny
 
-ATTEMPTS = re.compile(r"([0-9]\+[0-9]=[0-9]{1,2};){2}")
+ATTEMPTS = re.compile(r"([0-9]\+[0-9]=[0-9]{1,2}[<>]){2}")
 
 
 def test_default_cache_key_is_unchanged_by_the_task_setting() -> None:
@@ -31,7 +31,8 @@ def test_task_setting_is_validated() -> None:
     with pytest.raises(ConfigError, match="task=nope: must be one of arith, pairs"):
         TinyModelConfig(task="nope").check()
     preset = preflight("train", ["model=tiny_pairs"]).config.model
-    assert (preset.tiny.task, preset.tiny.num_layers, preset.name) == ("pairs", 4, "tiny_pairs")
+    assert (preset.tiny.task, preset.tiny.sft_target_acc) == ("pairs", 0.2)
+    assert preset.name == "tiny_pairs" and preset.max_model_len == 96
 
 
 def test_arith_sft_batch_is_answer_then_eos() -> None:
@@ -51,12 +52,12 @@ def test_pairs_sft_batch_is_a_search_trace_cut_at_the_budget() -> None:
     for row, p in enumerate(problems):
         target = [t for t in labels[row].tolist() if t != -100]
         assert len(target) <= PAIRS_MAX_TOKENS
-        prompt = tok(f"{p.question}>").input_ids
+        prompt = tok(f"{p.question}!").input_ids
         assert ids[row, : len(prompt)].tolist() == prompt
         if target[-1] == tiny.EOS_ID:  # the search hit in time: a complete, right response
             ended += 1
             assert named_pair(tok.decode(target[:-1])) == p.answer
-        else:  # cut where the budget runs out: no <eos> (a 48-character hit fills it exactly)
+        else:  # cut where the budget runs out: no <eos> (a hit may fill it exactly)
             cut += 1
             assert len(target) == PAIRS_MAX_TOKENS
             assert named_pair(tok.decode(target)) in (None, p.answer)
@@ -67,7 +68,7 @@ def test_pairs_sft_batch_is_a_search_trace_cut_at_the_budget() -> None:
 def test_pairs_warm_up_learns_the_format(tmp_path) -> None:
     """A short warm-up (seconds): greedy answers are already lists of attempts."""
     cfg = TinyModelConfig(
-        task="pairs", sft_max_steps=40, sft_batch_size=32, sft_lr=3e-3, sft_target_acc=0.9
+        task="pairs", sft_max_steps=150, sft_batch_size=64, sft_lr=1e-3, sft_target_acc=0.9
     )
     directory = tiny.ensure_tiny(cfg, cache_dir=tmp_path, progress=False)
     from transformers import AutoModelForCausalLM
@@ -77,7 +78,7 @@ def test_pairs_warm_up_learns_the_format(tmp_path) -> None:
     threads = torch.get_num_threads()
     torch.set_num_threads(tiny.BUILD_THREADS)
     try:
-        answers = tiny.decode_answers(model, tiny.build_tokenizer(), problems, "pairs")
+        answers = tiny.greedy_answers(model, tiny.build_tokenizer(), problems, "pairs")
     finally:
         torch.set_num_threads(threads)
     formatted = [text for text, _ in answers if ATTEMPTS.match(text)]

@@ -2,15 +2,14 @@
 
 `bapo train` (model=tiny) needs no download: `ensure_tiny` builds a character-level tokenizer and a
 small Qwen2 (head_dim 64, since vLLM's CPU attention rejects 16), then runs a short supervised
-warm-up on the task `model.tiny.task` names until accuracy on a fixed held-out set reaches
-`sft_target_acc` (greedy for arith; sampled for pairs, see `WarmupTask.sampled`) -- a weak but
-non-zero start, like the SFT checkpoints the paper starts RL from.
+warm-up on the task `model.tiny.task` names until greedy accuracy on a fixed held-out set reaches
+`sft_target_acc` -- a weak but non-zero start, like the SFT checkpoints the paper starts RL from.
 Stopping at a target accuracy, not after a time budget, gives the same checkpoint on any machine.
 
     task=arith   (default) `data.tasks.ArithTask`: prompt "37+45=", target the answer "82"
-    task=pairs   `data.pairs.PairTask`: prompt "318597:12>", target a random-order search trace
-                 cut at PAIRS_MAX_TOKENS (no <eos> when cut), so the model learns the format and
-                 the sums but not which pair to try first (model=tiny_pairs)
+    task=pairs   `data.pairs.PairTask`: prompt "318596:?+?=12!", target a random-order search
+                 trace cut at PAIRS_MAX_TOKENS (no <eos> when cut): the model learns the format,
+                 the sums and when to stop, not which pair to try first (model=tiny_pairs)
 
 The result is an ordinary HF directory (config.json, model.safetensors, tokenizer.json, ...), so
 `AutoModelForCausalLM` / `AutoTokenizer` and vLLM load it like any other model. It is cached under
@@ -69,7 +68,7 @@ QWEN2_SPLIT = (
 """Qwen2's pre-tokenizer split (with no merges it only decides where nothing can merge)."""
 MAX_POSITIONS = 256
 EVAL_EVERY = 20
-"""Warm-up steps between held-out accuracy checks."""
+"""Warm-up steps between held-out accuracy checks (arith; `WarmupTask.eval_every`)."""
 EVAL_SIZE = 512
 MAX_ANSWER_TOKENS = 6
 """Greedy budget of the arith warm-up check (the longest answer, "-89"/"891", plus <eos>)."""
@@ -94,11 +93,8 @@ class WarmupTask:
     """The response the model imitates (may draw from the warm-up's rng)."""
     correct: Callable[[str, str], bool]
     """(answer text up to <eos>, reference answer) -> right?"""
-    sampled: bool
-    """The accuracy check samples (temperature 1, seeded, one answer per problem) instead of
-    decoding greedily. A search policy is a distribution over orders: greedy decoding of a
-    random-order imitator repeats its modal attempt and almost never hits (0% after 1250 warm-up
-    steps on pairs, while sampling already hits), and sampling is what RL starts from."""
+    eval_every: int
+    """Warm-up steps between accuracy checks (a check is also the only place the warm-up stops)."""
     kv_cache: bool
     """Decode with a KV cache. arith keeps the full re-forward it was built with, so its
     checkpoints (and cache keys) stay bit-identical; pairs' 48-token answers need the cache."""
@@ -111,7 +107,7 @@ WARMUP_TASKS: dict[str, WarmupTask] = {
         MAX_ANSWER_TOKENS,
         lambda p, rng: p.answer,
         str.__eq__,
-        sampled=False,
+        eval_every=EVAL_EVERY,
         kv_cache=False,
     ),
     "pairs": WarmupTask(
@@ -120,7 +116,7 @@ WARMUP_TASKS: dict[str, WarmupTask] = {
         PAIRS_MAX_TOKENS,
         lambda p, rng: search_trace(p.question, rng),
         lambda text, answer: pairs_reward(text, answer) > 0,
-        sampled=True,
+        eval_every=100,  # a check of 512 40-token answers costs ~10 training steps
         kv_cache=True,
     ),
 }
@@ -357,28 +353,14 @@ def _sft_batch(
     return ids, labels
 
 
-def heldout_accuracy(
-    model: Any, tokenizer: Any, problems: list[Problem], task: str = DEFAULT_TASK, *, seed: int = 0
-) -> float:
-    """The warm-up's check: greedy accuracy, or sampled accuracy (seeded by `seed`) for a task
-    whose check samples (`WarmupTask.sampled`)."""
-    sample_seed = seed if WARMUP_TASKS[task].sampled else None
-    return _accuracy(model, tokenizer, problems, task, sample_seed)
-
-
+@torch.no_grad()
 def greedy_accuracy(
     model: Any, tokenizer: Any, problems: list[Problem], task: str = DEFAULT_TASK
 ) -> float:
     """Share of problems whose greedy answer (up to <eos>, within the task's budget) is right;
     a run-on (no <eos>) is wrong."""
-    return _accuracy(model, tokenizer, problems, task, None)
-
-
-def _accuracy(
-    model: Any, tokenizer: Any, problems: list[Problem], task: str, sample_seed: int | None
-) -> float:
     spec = WARMUP_TASKS[task]
-    answers = decode_answers(model, tokenizer, problems, task, sample_seed=sample_seed)
+    answers = greedy_answers(model, tokenizer, problems, task)
     correct = sum(
         ended and spec.correct(text, p.answer)
         for (text, ended), p in zip(answers, problems, strict=True)
@@ -387,22 +369,15 @@ def _accuracy(
 
 
 @torch.no_grad()
-def decode_answers(
-    model: Any,
-    tokenizer: Any,
-    problems: list[Problem],
-    task: str = DEFAULT_TASK,
-    *,
-    sample_seed: int | None = None,
+def greedy_answers(
+    model: Any, tokenizer: Any, problems: list[Problem], task: str = DEFAULT_TASK
 ) -> list[tuple[str, bool]]:
-    """(answer text up to <eos> or the task's budget, whether it ended with <eos>) per problem:
-    greedy, or sampled at temperature 1 from a generator seeded with `sample_seed`.
+    """(greedy text up to <eos> or the task's budget, whether it ended with <eos>) per problem.
 
     Prompts are grouped by length, so no padding is needed and each forward is the computation an
     engine does for a single prompt (positions from 0 at <bos>).
     """
     spec = WARMUP_TASKS[task]
-    generator = None if sample_seed is None else torch.Generator().manual_seed(sample_seed)
     was_training = model.training
     model.eval()
     encoded = tokenizer([spec.template.format(problem=p.question) for p in problems]).input_ids
@@ -411,8 +386,7 @@ def decode_answers(
         by_length.setdefault(len(ids), []).append(i)
     out: list[tuple[str, bool]] = [("", False)] * len(problems)
     for rows in by_length.values():
-        prompts = torch.tensor([encoded[i] for i in rows])
-        generated = _decode(model, prompts, spec, generator)
+        generated = _greedy(model, torch.tensor([encoded[i] for i in rows]), spec)
         for row, tokens in zip(rows, generated, strict=True):
             ended = EOS_ID in tokens
             kept = tokens[: tokens.index(EOS_ID)] if ended else tokens
@@ -421,11 +395,8 @@ def decode_answers(
     return out
 
 
-def _decode(
-    model: Any, seqs: torch.Tensor, spec: WarmupTask, generator: torch.Generator | None
-) -> list[list[int]]:
-    """Continuations (padded with <pad> after <eos>) of equal-length prompts: greedy without a
-    generator, else sampled at temperature 1."""
+def _greedy(model: Any, seqs: torch.Tensor, spec: WarmupTask) -> list[list[int]]:
+    """Greedy continuations (padded with <pad> after <eos>) of equal-length prompts."""
     done = torch.zeros(len(seqs), dtype=torch.bool)
     out, past, step_input = [], None, seqs
     for _ in range(spec.max_new_tokens):
@@ -434,12 +405,7 @@ def _decode(
             past = result.past_key_values
         else:
             result = model(input_ids=seqs, use_cache=False)
-        logits = result.logits[:, -1]
-        if generator is None:
-            nxt = logits.argmax(-1)
-        else:
-            probs = torch.softmax(logits.float(), dim=-1)
-            nxt = torch.multinomial(probs, 1, generator=generator)[:, 0]
+        nxt = result.logits[:, -1].argmax(-1)
         nxt = torch.where(done, torch.full_like(nxt, PAD_ID), nxt)
         out.append(nxt)
         done |= nxt == EOS_ID
@@ -450,8 +416,7 @@ def _decode(
 
 
 def warm_up(model: Any, tokenizer: Any, cfg: Any, *, progress: bool = True) -> dict[str, Any]:
-    """Supervised warm-up until held-out accuracy >= sft_target_acc (or sft_max_steps): greedy
-    for arith, sampled for pairs (`heldout_accuracy`).
+    """Supervised warm-up until held-out greedy accuracy >= sft_target_acc (or sft_max_steps).
 
     Returns steps, accuracy reached, whether the target was reached, seconds per step and the
     accuracy history [(step, acc), ...].
@@ -480,8 +445,8 @@ def warm_up(model: Any, tokenizer: Any, cfg: Any, *, progress: bool = True) -> d
             train_seconds += time.perf_counter() - t0
             step += 1
             loss_value = loss.item()
-            if step % EVAL_EVERY == 0 or step == max_steps:
-                acc = heldout_accuracy(model, tokenizer, held_out, name, seed=s["seed"])
+            if step % spec.eval_every == 0 or step == max_steps:
+                acc = greedy_accuracy(model, tokenizer, held_out, name)
                 history.append((step, acc))
             update(step, loss_value, acc)
             if history and history[-1][0] == step and acc >= target:
