@@ -68,8 +68,15 @@ class TinyModelConfig:
     sft_batch_size: int = opt(256, "sequences per warm-up SFT step")
     sft_max_steps: int = opt(5000, "hard cap on warm-up SFT steps")
     seed: int = opt(0, "seed of initialisation and warm-up data")
+    task: str = opt(
+        "arith",
+        "warm-up task: arith (answers) or pairs (random-order search traces, model=tiny_pairs)",
+    )
 
     def check(self) -> None:
+        from bapo_cli.models.tiny import WARMUP_TASKS
+
+        _one_of("task", self.task, tuple(WARMUP_TASKS))
         for name in ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim"):
             _positive(name, getattr(self, name))
         _positive("intermediate_size", self.intermediate_size)
@@ -242,7 +249,7 @@ class StalenessConfig:
             )
 
 
-DATA_KINDS = ("arith", "dataset")
+DATA_KINDS = ("arith", "pairs", "dataset")
 
 
 @dataclass
@@ -250,7 +257,10 @@ class DataConfig:
     """Training prompts: the seeded synthetic task, or a prompt set by HF id or local file."""
 
     name: str = opt("arith", "preset name")
-    kind: str = opt("arith", "arith (synthetic, exactly checkable) or dataset")
+    kind: str = opt(
+        "arith",
+        "arith or pairs (synthetic, exactly checkable; pairs: wrong answers longer) or dataset",
+    )
     hf_id: str | None = opt(None, "HF dataset id (kind=dataset)")
     path: str | None = opt(None, "local jsonl/parquet; wins over hf_id")
     split: str = opt("train", "dataset split")
@@ -260,7 +270,7 @@ class DataConfig:
         "{problem}\nPlease reason step by step, and put your final answer within \\boxed{{}}.",
         "prompt template; {problem} is replaced by the question",
     )
-    num_prompts: int = opt(4096, "synthetic prompts generated (kind=arith)")
+    num_prompts: int = opt(4096, "synthetic prompts generated (kind=arith or pairs)")
     seed: int = opt(0, "seed of the synthetic task and of prompt shuffling")
 
     def check(self) -> None:
@@ -433,7 +443,7 @@ class TrainerConfig:
     val_every: int = opt(0, "validate every N steps; 0 = never")
     val_benchmarks: list[str] = opt(
         [],
-        "validation sets (val_every > 0): arith (held-out synthetic), a benchmark preset "
+        "validation sets (val_every > 0): arith or pairs (held-out synthetic), a benchmark preset "
         "(aime24, aime25, math500) or a local .jsonl/.json/.parquet",
     )
     val_n: int = opt(4, "samples per validation problem (logged as val/<set>/avg_at_<n>)")

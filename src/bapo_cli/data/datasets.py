@@ -1,6 +1,7 @@
 """Training prompt sets built from the `data` config group.
 
     data=arith      ArithTask(data.seed).prompts(data.num_prompts), graded by exact match
+    data=pairs      PairTask(data.seed).prompts(data.num_prompts), graded by `pairs_reward`
     data=<preset>   rows of data.path (or data.hf_id), graded by bapo_cli.rewards.grade
 
 `build_prompt_set(cfg)` returns a `PromptSet`: the problems in a fixed order (shuffled by
@@ -17,8 +18,9 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from bapo_cli.data.pairs import PAIRS_TEMPLATE, PairTask, named_pair, pairs_reward
 from bapo_cli.data.records import DataError, load_records
-from bapo_cli.data.tasks import ArithTask, Problem, arith_reward
+from bapo_cli.data.tasks import ARITH_TEMPLATE, ArithTask, Problem, arith_reward, clean_response
 
 RewardFn = Callable[[str, str], float]
 T = TypeVar("T")
@@ -36,7 +38,28 @@ def math_reward(response: str, reference: str) -> float:
     return float(grade(response, reference))
 
 
-REWARDS: dict[str, RewardFn] = {"arith": arith_reward, "dataset": math_reward}
+@dataclass(frozen=True)
+class SyntheticKind:
+    """A seeded synthetic task: training prompts, held-out split, template and grading."""
+
+    make: Callable[[int], Any]
+    """seed -> task with `prompts(n)` (training set) and `held_out(n)` (seed-independent)."""
+    template: str
+    reward: RewardFn
+    answer_of: Callable[[str], str | None]
+    """The answer a response gives (for maj@n in validation)."""
+
+
+SYNTHETIC: dict[str, SyntheticKind] = {
+    "arith": SyntheticKind(ArithTask, ARITH_TEMPLATE, arith_reward, clean_response),
+    "pairs": SyntheticKind(PairTask, PAIRS_TEMPLATE, pairs_reward, named_pair),
+}
+"""The synthetic data kinds; `trainer.val_benchmarks` accepts the same names (held-out split)."""
+
+REWARDS: dict[str, RewardFn] = {
+    **{kind: spec.reward for kind, spec in SYNTHETIC.items()},
+    "dataset": math_reward,
+}
 """Reward function of each data kind (the keys are DataConfig.kind's values)."""
 
 
@@ -145,12 +168,12 @@ def filter_long(
 
 
 def build_prompt_set(cfg: Any) -> PromptSet:
-    """The prompt set of a `DataConfig`: arith prompts, or a dataset's rows, shuffled by seed."""
+    """The prompt set of a `DataConfig`: synthetic prompts or a dataset's rows, shuffled by seed."""
     if cfg.kind not in REWARDS:
         raise DataError(f"data.kind={cfg.kind}: must be one of {', '.join(REWARDS)}")
-    if cfg.kind == "arith":
-        items = ArithTask(cfg.seed).prompts(cfg.num_prompts)
-        source, skipped = f"arith (seed {cfg.seed})", 0
+    if cfg.kind in SYNTHETIC:
+        items = SYNTHETIC[cfg.kind].make(cfg.seed).prompts(cfg.num_prompts)
+        source, skipped = f"{cfg.kind} (seed {cfg.seed})", 0
     else:
         records = load_records(
             path=cfg.path,

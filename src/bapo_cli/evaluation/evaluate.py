@@ -237,13 +237,16 @@ def results_table(name: str, result: BenchmarkResult, skipped: int = 0) -> Table
 # --------------------------------------------------------------------- validation in training
 
 VAL_SAMPLING = SamplingParams(temperature=0.6, top_p=0.95)  # the paper's evaluation sampling
-ARITH_VAL_PROBLEMS = 200
+SYNTHETIC_VAL_PROBLEMS = 200
 
 
-def _arith_grader(texts: list[str], references: list[str]) -> GradeReport:
-    from bapo_cli.data.tasks import arith_reward
+def _reward_grader(reward: Callable[[str, str], float]) -> Callable[..., GradeReport]:
+    """A synthetic task's reward as a grader (exact and instant: no timeouts to count)."""
 
-    return GradeReport([arith_reward(t, r) > 0 for t, r in zip(texts, references, strict=True)])
+    def grader(texts: list[str], references: list[str]) -> GradeReport:
+        return GradeReport([reward(t, r) > 0 for t, r in zip(texts, references, strict=True)])
+
+    return grader
 
 
 def validation_sets(
@@ -251,26 +254,28 @@ def validation_sets(
 ) -> list[tuple[str, list[Problem], dict[str, Any]]]:
     """(name, problems, evaluate_benchmark kwargs) per `trainer.val_benchmarks` entry.
 
-    An entry is `arith` (the synthetic task's held-out split, exact match), a benchmark preset
-    name (aime24, aime25, math500: loaded by HF id) or a local .jsonl/.json/.parquet file with
-    fields id, problem, answer (named by its file stem), graded by `grader` (default: the shared
-    math grader)."""
+    An entry is `arith` or `pairs` (that synthetic task's held-out split, graded by its reward;
+    prompts in data.template when training on that task, else in the task's own template), a
+    benchmark preset name (aime24, aime25, math500: loaded by HF id) or a local
+    .jsonl/.json/.parquet file with fields id, problem, answer (named by its file stem), graded by
+    `grader` (default: the shared math grader)."""
     from bapo_cli.config.schema import BenchmarkConfig
-    from bapo_cli.data.tasks import ArithTask, clean_response
+    from bapo_cli.data.datasets import SYNTHETIC
 
     math = {"template": EVAL_TEMPLATE, **({"grader": grader} if grader is not None else {})}
 
     out = []
     limit = cfg.trainer.val_limit
     for entry in cfg.trainer.val_benchmarks:
-        if entry == "arith":
-            problems = ArithTask(cfg.data.seed).held_out(limit or ARITH_VAL_PROBLEMS)
+        if entry in SYNTHETIC:
+            task = SYNTHETIC[entry]
+            problems = task.make(cfg.data.seed).held_out(limit or SYNTHETIC_VAL_PROBLEMS)
             kwargs = {
-                "template": cfg.data.template,
-                "grader": _arith_grader,
-                "answer_of": clean_response,
+                "template": cfg.data.template if cfg.data.kind == entry else task.template,
+                "grader": _reward_grader(task.reward),
+                "answer_of": task.answer_of,
             }
-            out.append(("arith", problems, kwargs))
+            out.append((entry, problems, kwargs))
             continue
         if Path(entry).suffix in (".jsonl", ".json", ".parquet"):
             bench = BenchmarkConfig(name=Path(entry).stem, path=entry)

@@ -1,10 +1,15 @@
-"""The tiny model: a ~0.3M-parameter Qwen2 built locally and warmed up on the arithmetic task.
+"""The tiny model: a ~0.3M-parameter Qwen2 built locally and warmed up on a synthetic task.
 
 `bapo train` (model=tiny) needs no download: `ensure_tiny` builds a character-level tokenizer and a
 small Qwen2 (head_dim 64, since vLLM's CPU attention rejects 16), then runs a short supervised
-warm-up on `data.tasks.ArithTask` until greedy accuracy on a fixed held-out set reaches
+warm-up on the task `model.tiny.task` names until greedy accuracy on a fixed held-out set reaches
 `sft_target_acc` -- a weak but non-zero start, like the SFT checkpoints the paper starts RL from.
 Stopping at a target accuracy, not after a time budget, gives the same checkpoint on any machine.
+
+    task=arith   (default) `data.tasks.ArithTask`: prompt "37+45=", target the answer "82"
+    task=pairs   `data.pairs.PairTask`: prompt "318596:?+?=12!", target a random-order search
+                 trace cut at PAIRS_MAX_TOKENS (no <eos> when cut): the model learns the format,
+                 the sums and when to stop, not which pair to try first (model=tiny_pairs)
 
 The result is an ordinary HF directory (config.json, model.safetensors, tokenizer.json, ...), so
 `AutoModelForCausalLM` / `AutoTokenizer` and vLLM load it like any other model. It is cached under
@@ -31,11 +36,20 @@ import random
 import shutil
 import time
 import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from bapo_cli.data.pairs import (
+    PAIRS_MAX_TOKENS,
+    PAIRS_TEMPLATE,
+    PairTask,
+    pairs_reward,
+    search_trace,
+)
 from bapo_cli.data.tasks import ARITH_TEMPLATE, ArithTask, Problem
 
 BUILD_VERSION = 1
@@ -54,15 +68,60 @@ QWEN2_SPLIT = (
 """Qwen2's pre-tokenizer split (with no merges it only decides where nothing can merge)."""
 MAX_POSITIONS = 256
 EVAL_EVERY = 20
-"""Warm-up steps between held-out accuracy checks."""
+"""Warm-up steps between held-out accuracy checks (arith; `WarmupTask.eval_every`)."""
 EVAL_SIZE = 512
 MAX_ANSWER_TOKENS = 6
+"""Greedy budget of the arith warm-up check (the longest answer, "-89"/"891", plus <eos>)."""
 BUILD_THREADS = 1
 """Torch threads during the build: the weights then do not depend on the machine's core count,
 and a model this small gains little from more (on a busy 2-core machine one thread ran a warm-up
 step in 96 ms, two threads in 510 ms)."""
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class WarmupTask:
+    """What the warm-up needs of a task: its generator, prompt, SFT targets and grading."""
+
+    make: Callable[[int], Any]
+    """seed -> generator with `sample(n, rng, split=...)` and `held_out(n)` (ArithTask's shape)."""
+    template: str
+    max_new_tokens: int
+    """Greedy budget of the accuracy check; SFT targets longer than this are cut (no <eos>)."""
+    target: Callable[[Problem, random.Random], str]
+    """The response the model imitates (may draw from the warm-up's rng)."""
+    correct: Callable[[str, str], bool]
+    """(answer text up to <eos>, reference answer) -> right?"""
+    eval_every: int
+    """Warm-up steps between accuracy checks (a check is also the only place the warm-up stops)."""
+    kv_cache: bool
+    """Decode with a KV cache. arith keeps the full re-forward it was built with, so its
+    checkpoints (and cache keys) stay bit-identical; pairs' 48-token answers need the cache."""
+
+
+WARMUP_TASKS: dict[str, WarmupTask] = {
+    "arith": WarmupTask(
+        ArithTask,
+        ARITH_TEMPLATE,
+        MAX_ANSWER_TOKENS,
+        lambda p, rng: p.answer,
+        str.__eq__,
+        eval_every=EVAL_EVERY,
+        kv_cache=False,
+    ),
+    "pairs": WarmupTask(
+        PairTask,
+        PAIRS_TEMPLATE,
+        PAIRS_MAX_TOKENS,
+        lambda p, rng: search_trace(p.question, rng),
+        lambda text, answer: pairs_reward(text, answer) > 0,
+        eval_every=100,  # a check of 512 40-token answers costs ~10 training steps
+        kv_cache=True,
+    ),
+}
+"""`model.tiny.task` -> how to warm up on it (the keys are TinyModelConfig.task's values)."""
+DEFAULT_TASK = "arith"
 
 
 # ------------------------------------------------------------------------------------ tokenizer
@@ -144,8 +203,14 @@ def settings_of(cfg: Any) -> dict[str, Any]:
 
 
 def build_key(cfg: Any) -> str:
-    """Cache key: a hash of every tiny setting and `BUILD_VERSION`."""
-    blob = json.dumps({"build_version": BUILD_VERSION, **settings_of(cfg)}, sort_keys=True)
+    """Cache key: a hash of every tiny setting and `BUILD_VERSION`.
+
+    `task` enters only when it is not the default (arith), so the keys of the models built before
+    the setting existed -- all arith -- still name their cache entries."""
+    settings = settings_of(cfg)
+    if settings.get("task", DEFAULT_TASK) == DEFAULT_TASK:
+        settings.pop("task", None)
+    blob = json.dumps({"build_version": BUILD_VERSION, **settings}, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
@@ -268,55 +333,86 @@ def _build(cfg: Any, directory: Path, *, progress: bool) -> dict[str, Any]:
 # -------------------------------------------------------------------------------------- warm-up
 
 
-def _sft_batch(tokenizer: Any, problems: list[Problem]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Right-padded <bos> prompt answer <eos> with labels on the answer and <eos> only."""
-    prompts = tokenizer([ARITH_TEMPLATE.format(problem=p.question) for p in problems]).input_ids
-    answers = tokenizer([p.answer for p in problems], add_special_tokens=False).input_ids
-    width = max(len(q) + len(a) + 1 for q, a in zip(prompts, answers, strict=True))
+def _sft_batch(
+    tokenizer: Any, problems: list[Problem], task: WarmupTask, rng: random.Random
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-padded <bos> prompt target <eos> with labels on the target and <eos> only; a target
+    longer than the task's budget is cut there, without <eos> (it ran out of tokens)."""
+    prompts = tokenizer([task.template.format(problem=p.question) for p in problems]).input_ids
+    targets = [task.target(p, rng) for p in problems]
+    answers = tokenizer(targets, add_special_tokens=False).input_ids
+    ends = [[EOS_ID] if len(a) < task.max_new_tokens else [] for a in answers]
+    answers = [a[: task.max_new_tokens] for a in answers]
+    width = max(len(q) + len(a) + len(e) for q, a, e in zip(prompts, answers, ends, strict=True))
     ids = torch.full((len(problems), width), PAD_ID, dtype=torch.long)
     labels = torch.full((len(problems), width), -100, dtype=torch.long)
-    for row, (q, a) in enumerate(zip(prompts, answers, strict=True)):
-        seq = q + a + [EOS_ID]
+    for row, (q, a, e) in enumerate(zip(prompts, answers, ends, strict=True)):
+        seq = q + a + e
         ids[row, : len(seq)] = torch.tensor(seq)
-        labels[row, len(q) : len(seq)] = torch.tensor(a + [EOS_ID])
+        labels[row, len(q) : len(seq)] = torch.tensor(a + e)
     return ids, labels
 
 
 @torch.no_grad()
-def greedy_accuracy(model: Any, tokenizer: Any, problems: list[Problem]) -> float:
-    """Share of problems whose greedy answer (up to <eos>) is exactly right.
+def greedy_accuracy(
+    model: Any, tokenizer: Any, problems: list[Problem], task: str = DEFAULT_TASK
+) -> float:
+    """Share of problems whose greedy answer (up to <eos>, within the task's budget) is right;
+    a run-on (no <eos>) is wrong."""
+    spec = WARMUP_TASKS[task]
+    answers = greedy_answers(model, tokenizer, problems, task)
+    correct = sum(
+        ended and spec.correct(text, p.answer)
+        for (text, ended), p in zip(answers, problems, strict=True)
+    )
+    return correct / max(len(problems), 1)
+
+
+@torch.no_grad()
+def greedy_answers(
+    model: Any, tokenizer: Any, problems: list[Problem], task: str = DEFAULT_TASK
+) -> list[tuple[str, bool]]:
+    """(greedy text up to <eos> or the task's budget, whether it ended with <eos>) per problem.
 
     Prompts are grouped by length, so no padding is needed and each forward is the computation an
     engine does for a single prompt (positions from 0 at <bos>).
     """
+    spec = WARMUP_TASKS[task]
     was_training = model.training
     model.eval()
-    encoded = tokenizer([ARITH_TEMPLATE.format(problem=p.question) for p in problems]).input_ids
+    encoded = tokenizer([spec.template.format(problem=p.question) for p in problems]).input_ids
     by_length: dict[int, list[int]] = {}
     for i, ids in enumerate(encoded):
         by_length.setdefault(len(ids), []).append(i)
-    correct = 0
+    out: list[tuple[str, bool]] = [("", False)] * len(problems)
     for rows in by_length.values():
-        seqs = torch.tensor([encoded[i] for i in rows])
-        done = torch.zeros(len(rows), dtype=torch.bool)
-        out = []
-        for _ in range(MAX_ANSWER_TOKENS):
-            logits = model(input_ids=seqs, use_cache=False).logits[:, -1]
-            nxt = logits.argmax(-1)
-            nxt = torch.where(done, torch.full_like(nxt, PAD_ID), nxt)
-            out.append(nxt)
-            done |= nxt == EOS_ID
-            seqs = torch.cat([seqs, nxt[:, None]], dim=1)
-            if bool(done.all()):
-                break
-        generated = torch.stack(out, dim=1).tolist()
+        generated = _greedy(model, torch.tensor([encoded[i] for i in rows]), spec)
         for row, tokens in zip(rows, generated, strict=True):
-            if EOS_ID not in tokens:
-                continue  # an answer must end; a run-on is wrong
-            text = tokenizer.decode(tokens[: tokens.index(EOS_ID)], skip_special_tokens=False)
-            correct += text == problems[row].answer
+            ended = EOS_ID in tokens
+            kept = tokens[: tokens.index(EOS_ID)] if ended else tokens
+            out[row] = (tokenizer.decode(kept, skip_special_tokens=False), ended)
     model.train(was_training)
-    return correct / max(len(problems), 1)
+    return out
+
+
+def _greedy(model: Any, seqs: torch.Tensor, spec: WarmupTask) -> list[list[int]]:
+    """Greedy continuations (padded with <pad> after <eos>) of equal-length prompts."""
+    done = torch.zeros(len(seqs), dtype=torch.bool)
+    out, past, step_input = [], None, seqs
+    for _ in range(spec.max_new_tokens):
+        if spec.kv_cache:
+            result = model(input_ids=step_input, past_key_values=past, use_cache=True)
+            past = result.past_key_values
+        else:
+            result = model(input_ids=seqs, use_cache=False)
+        nxt = result.logits[:, -1].argmax(-1)
+        nxt = torch.where(done, torch.full_like(nxt, PAD_ID), nxt)
+        out.append(nxt)
+        done |= nxt == EOS_ID
+        seqs, step_input = torch.cat([seqs, nxt[:, None]], dim=1), nxt[:, None]
+        if bool(done.all()):
+            break
+    return torch.stack(out, dim=1).tolist()
 
 
 def warm_up(model: Any, tokenizer: Any, cfg: Any, *, progress: bool = True) -> dict[str, Any]:
@@ -326,7 +422,9 @@ def warm_up(model: Any, tokenizer: Any, cfg: Any, *, progress: bool = True) -> d
     accuracy history [(step, acc), ...].
     """
     s = settings_of(cfg)
-    task = ArithTask(s["seed"])
+    name = s.get("task", DEFAULT_TASK)
+    spec = WARMUP_TASKS[name]
+    task = spec.make(s["seed"])
     held_out = task.held_out(EVAL_SIZE)
     rng = random.Random(s["seed"])
     optimizer = torch.optim.AdamW(model.parameters(), lr=s["sft_lr"])
@@ -338,7 +436,7 @@ def warm_up(model: Any, tokenizer: Any, cfg: Any, *, progress: bool = True) -> d
     with _progress(progress, target) as update:
         while step < max_steps:
             t0 = time.perf_counter()
-            ids, labels = _sft_batch(tokenizer, task.sample(s["sft_batch_size"], rng))
+            ids, labels = _sft_batch(tokenizer, task.sample(s["sft_batch_size"], rng), spec, rng)
             loss = model(input_ids=ids, labels=labels, use_cache=False).loss
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
@@ -347,8 +445,8 @@ def warm_up(model: Any, tokenizer: Any, cfg: Any, *, progress: bool = True) -> d
             train_seconds += time.perf_counter() - t0
             step += 1
             loss_value = loss.item()
-            if step % EVAL_EVERY == 0 or step == max_steps:
-                acc = greedy_accuracy(model, tokenizer, held_out)
+            if step % spec.eval_every == 0 or step == max_steps:
+                acc = greedy_accuracy(model, tokenizer, held_out, name)
                 history.append((step, acc))
             update(step, loss_value, acc)
             if history and history[-1][0] == step and acc >= target:
