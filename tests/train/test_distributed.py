@@ -152,9 +152,7 @@ def test_two_gloo_ranks_match_one_process_on_the_global_batch(tmp_path: Path, st
         assert torch.equal(a, b)  # ranks stay in lockstep
 
 
-MICRO_SPEC = LossSpec(
-    "bapo", SPEC.params, bound_scope="microbatch", search=SPEC.search
-)  # algo.bound_scope=microbatch
+MICRO_SPEC = LossSpec("bapo", SPEC.params, bound_scope="microbatch")  # algo.bound_scope=microbatch
 UNEVEN = {0: {0, 1, 2, 3, 4, 5}, 1: {6, 7}}  # groups per rank: 4 micro-batches vs 2
 
 
