@@ -9,6 +9,7 @@ header and the run is recorded, which lets the test read back everything that wa
 
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 
@@ -26,7 +27,7 @@ from bapo_cli.config import schema
 from bapo_cli.config.preflight import preflight
 from bapo_cli.tracking import MlflowTracker, redact
 from bapo_cli.trainer.train import run_record
-from tests.conftest import run_bapo
+from tests.conftest import SHARED_DATA, run_bapo
 
 PW = "Pw0rd-s3cr3t"  # appears nowhere else in any output
 TOKEN = "hf_T0ken-s3cr3t"
@@ -259,3 +260,27 @@ def test_sweep_on_a_server_records_no_secret(
     warned = caplog.text
     assert f"http://alice:***@{host} not reachable" in warned
     assert "not delivered to" in warned and PW not in warned
+
+
+def test_failing_eval_masks_the_uri_and_keeps_the_results(_output_root: Path) -> None:
+    """bapo eval scores first and tracks last: a store that is down is one masked line, and the
+    scores already written stay in the run dir."""
+    uri = f"http://alice:{PW}@127.0.0.1:1/"  # nothing listens on port 1
+    data = SHARED_DATA / "aime24.jsonl"
+    result = run_bapo(
+        "eval",
+        f"benchmark.path={data}",
+        "eval.limit=2",
+        "eval.n=1",
+        "eval.max_tokens=8",
+        "rollout=hf",
+        "tracking=mlflow",
+        f"tracking.uri={uri}",
+    )
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert PW not in result.stdout + result.stderr
+    error = " ".join(result.stderr.split())
+    assert "error: tracking: cannot start the MLflow run at http://alice:***@127.0.0.1:1/" in error
+    assert "Traceback" not in result.stderr
+    kept = list(_output_root.glob("runs/*/*/results.json"))
+    assert len(kept) == 1 and "aime24" in json.loads(kept[0].read_text())

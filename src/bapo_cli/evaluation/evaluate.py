@@ -34,6 +34,11 @@ from bapo_cli.rewards import GradeReport, MathGrader, extract_answer, grade_batc
 from bapo_cli.rollout.base import Request, SamplingParams
 from bapo_cli.trainer.checkpoint import seed_everything
 
+
+class EvalTrackingError(RuntimeError):
+    """The scores were written to the run dir but the tracking store could not take them."""
+
+
 EVAL_TEMPLATE = (
     "{problem}\nPlease reason step by step, and put your final answer within \\boxed{{}}."
 )
@@ -145,7 +150,7 @@ def evaluate(cfg: Any, run_dir: Path, console: Console | None = None) -> dict[st
     import transformers
 
     from bapo_cli.rollout.base import make_engine, resolve_engine_name
-    from bapo_cli.tracking import flatten, make_tracker
+    from bapo_cli.tracking import describe_failure, flatten, make_tracker, redact
 
     console = console or Console()
     transformers.utils.logging.disable_progress_bar()
@@ -189,13 +194,19 @@ def evaluate(cfg: Any, run_dir: Path, console: Console | None = None) -> dict[st
     with (run_dir / "samples.jsonl").open("w", encoding="utf-8") as f:
         for row in result.samples:
             f.write(json.dumps(row) + "\n")
-    tracker = make_tracker(
-        cfg.tracking.backend,
-        cfg.tracking.uri,
-        cfg.tracking.experiment,
-        run_name=cfg.tracking.run_name or f"eval-{cfg.benchmark.name}-{cfg.model.name}",
-        tags={"kind": "eval", "benchmark": cfg.benchmark.name, "model": cfg.model.path},
-    )
+    try:  # the results are on disk already: a store that is down loses none of them
+        tracker = make_tracker(
+            cfg.tracking.backend,
+            cfg.tracking.uri,
+            cfg.tracking.experiment,
+            run_name=cfg.tracking.run_name or f"eval-{cfg.benchmark.name}-{cfg.model.name}",
+            tags={"kind": "eval", "benchmark": cfg.benchmark.name, "model": cfg.model.path},
+        )
+    except Exception as err:
+        raise EvalTrackingError(
+            f"tracking: cannot start the MLflow run at {redact.text(cfg.tracking.uri)} "
+            f"({describe_failure(err)}); the results are kept in {run_dir}"
+        ) from None
     tracker.log_params(flatten(cfg))
     tracker.log_metrics(metric_keys("eval", cfg.benchmark.name, result.metrics), step=0)
     tracker.log_artifact(run_dir / "results.json")

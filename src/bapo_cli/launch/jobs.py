@@ -101,7 +101,7 @@ def train_job(cfg: DictConfig) -> float:
 
 def eval_job(cfg: DictConfig) -> float:
     """Score; returns avg@n (the objective a sweep over eval settings would maximize)."""
-    from bapo_cli.evaluation.evaluate import evaluate
+    from bapo_cli.evaluation.evaluate import EvalTrackingError, evaluate
 
     config = _validated(cfg)
     run_dir = _run_dir()
@@ -112,4 +112,7 @@ def eval_job(cfg: DictConfig) -> float:
     except _user_errors() as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(USAGE_EXIT_CODE)
+    except EvalTrackingError as err:
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(1)
     return float(results[config.benchmark.name][f"avg@{config.eval.n}"])
