@@ -60,5 +60,8 @@ def test_pairs_validation_set() -> None:
     assert kwargs["template"] == "{problem}!" and arith_kwargs["template"] == "{problem}="
     a, b = problems[0].answer.split(",")
     right = f"{b}+{a}={int(a) + int(b)}!"
-    assert kwargs["grader"]([right, right + ";"], [problems[0].answer] * 2) == [True, False]
+    assert kwargs["grader"]([right, right + ";"], [problems[0].answer] * 2).verdicts == [
+        True,
+        False,
+    ]
     assert kwargs["answer_of"](right) == problems[0].answer

@@ -625,7 +625,7 @@ def source_commit(package: Path | None = None) -> str | None:
     """
     import tomllib
 
-    package = (package or Path(__file__).parent).resolve()
+    package = (package or Path(__file__).parents[1]).resolve()
     top = _git(package, "rev-parse", "--show-toplevel")
     if not top or package != Path(top).resolve() / "src" / "bapo_cli":
         return None
