@@ -14,7 +14,7 @@ from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
 from bapo_cli import tracking
-from bapo_cli.tracking import MlflowTracker
+from bapo_cli.tracking import MlflowTracker, writer
 
 REFUSED = (
     "API request to http://127.0.0.1:1/api/2.0/mlflow/runs/log-batch failed with exception "
@@ -110,7 +110,7 @@ def test_a_batch_whose_answer_was_lost_is_resent_without_duplicates(store, tmp_p
 
 
 def test_chunks_go_in_order_and_a_failed_chunk_keeps_the_rest(store, tmp_path, monkeypatch) -> None:
-    monkeypatch.setattr(tracking, "MAX_BATCH_METRICS", 3)
+    monkeypatch.setattr(writer, "MAX_BATCH_METRICS", 3)
     tracker, switch, uri = _tracker(store, tmp_path, flush_every=100)
     for step in range(1, 5):
         tracker.log_metrics(_metrics(step), step)  # 12 metrics: 4 chunks of 3
@@ -172,7 +172,7 @@ def test_store_back_during_close_delivers_and_ends_the_run(store, tmp_path, monk
         switch.down = calls < 2
         real_sleep(min(seconds, 0.01))
 
-    monkeypatch.setattr(tracking.time, "sleep", sleep)
+    monkeypatch.setattr(writer.time, "sleep", sleep)
     tracker.close()
     assert calls == 2
     assert _steps(uri, tracker.run_id) == [1]

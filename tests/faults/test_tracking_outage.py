@@ -18,7 +18,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from bapo_cli import tracking
-from bapo_cli.tracking import MlflowTracker
+from bapo_cli.tracking import MlflowTracker, writer
 from bapo_cli.trainer.train import TrainingError, TrainResult
 from tests.faults.conftest import MlflowServer, free_port
 from tests.train.conftest import run_train
@@ -137,7 +137,7 @@ def test_server_stopped_and_restarted_mid_run_gets_every_step_exactly_once(
 def test_server_down_until_the_end_lists_exactly_the_missing_metrics(
     tmp_path, mlflow_server: MlflowServer, monkeypatch
 ) -> None:
-    monkeypatch.setattr(tracking, "DELIVERY_TIMEOUT_S", 3.0)
+    monkeypatch.setattr(writer, "DELIVERY_TIMEOUT_S", 3.0)
     seen = _hook(monkeypatch, {STOP_AT: lambda tracker: mlflow_server.stop()})
     t0 = time.monotonic()
     result = _train(tmp_path, mlflow_server.uri)

