@@ -62,6 +62,10 @@ class Registry(Generic[F]):
         """Registered names, sorted."""
         return sorted(self._items)
 
+    def registered(self) -> list[str]:
+        """Registered names in registration order (the order their module lists them)."""
+        return list(self._items)
+
     def __getitem__(self, name: str) -> F:
         return self.get(name)
 

@@ -224,7 +224,19 @@ def __getattr__(name: str) -> type:
 
 # ---------------------------------------------------------------------------- staleness / data
 
-REGIMES = ("reuse", "replay", "partial", "async")
+
+def _regime(name: str) -> Any:
+    """The regime class registered as `name` (`bapo_cli.staleness.regimes.REGIMES`): it holds the
+    regime's config rules (`check`, `check_run`), so a new regime needs no edit here."""
+    from bapo_cli.staleness.regimes import REGIMES
+
+    return REGIMES.get(name)
+
+
+def _regime_names() -> tuple[str, ...]:
+    from bapo_cli.staleness.regimes import REGIMES
+
+    return tuple(REGIMES.registered())
 
 
 @dataclass
@@ -236,17 +248,16 @@ class StalenessConfig:
         "reuse: optimizer updates per rollout batch (0 and 1 = on-policy); replay/async: "
         "policy versions between generation and training; partial: versions a response may span",
     )
-    regime: str = opt("reuse", "reuse | replay | partial | async")
+    regime: str = opt(
+        "reuse", "a key of bapo_cli.staleness.regimes.REGIMES: reuse | replay | partial | async"
+    )
     ppo_epochs: int = opt(1, "passes over each rollout batch (reuse); multiplies the updates")
 
     def check(self) -> None:
         _positive("k", self.k, allow_zero=True)
-        _one_of("regime", self.regime, REGIMES)
+        _one_of("regime", self.regime, _regime_names())
         _positive("ppo_epochs", self.ppo_epochs)
-        if self.regime != "reuse" and self.k == 0:
-            raise ConfigError(
-                "regime", self.regime, "needs staleness.k >= 1 (k=0 is on-policy: use reuse)"
-            )
+        _regime(self.regime).check(self.k, self.ppo_epochs)
 
 
 DATA_KINDS = ("arith", "pairs", "dataset")
@@ -570,20 +581,7 @@ class TrainConfig:
                 self.rollout.n,
                 f"algo.advantage={self.algo.advantage} compares samples of one prompt: needs >= 2",
             )
-        k = self.staleness.k
-        if self.staleness.regime == "reuse" and k > 1 and self.trainer.prompts_per_step % k:
-            raise ConfigError(
-                "trainer.prompts_per_step",
-                self.trainer.prompts_per_step,
-                f"must split into staleness.k={k} mini-batches of whole prompt groups",
-            )
-        if self.trainer.strategy == "fsdp2" and self.staleness.regime == "partial":
-            raise ConfigError(
-                "trainer.strategy",
-                self.trainer.strategy,
-                "fsdp2 needs the same number of micro-batches on every rank, which partial "
-                "rollouts do not give: use trainer.strategy=ddp with staleness.regime=partial",
-            )
+        _regime(self.staleness.regime).check_run(self)  # the regime's rules across groups
 
 
 @dataclass

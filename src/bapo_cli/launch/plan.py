@@ -39,19 +39,10 @@ def describe_clip(algo: object) -> str:
 
 
 def describe_staleness(k: int, regime: str, epochs: int) -> str:
-    if regime == "reuse":
-        updates = max(k, 1) * epochs
-        if updates == 1:
-            return "on-policy: one optimizer update per rollout batch"
-        return (
-            f"reuse: {updates} optimizer updates per rollout batch "
-            f"({max(k, 1)} mini-batches × {epochs} epochs); the first is on-policy"
-        )
-    return {
-        "replay": f"replay: train on rollouts generated {k} policy versions ago",
-        "partial": f"partial rollout: a response may span up to {k + 1} policy versions",
-        "async": f"async: generation runs {k} policy versions ahead of training",
-    }[regime]
+    """What `staleness=k` means under `regime`, in the regime's own words (`describe()`)."""
+    from bapo_cli.staleness.regimes import REGIMES
+
+    return REGIMES.get(regime).describe(k, epochs)
 
 
 def _table(title: str, rows: list[tuple[str, str]]) -> Table:

@@ -7,7 +7,12 @@
 
 The loop itself knows no algorithm: the loss comes from `algos.losses.REGISTRY[algo.loss]`, the
 advantages from `algos.advantages.REGISTRY[algo.advantage]`, the staleness from
-`staleness.regimes.REGIMES[staleness.regime]`, the engine from `rollout.base.ENGINES`.
+`staleness.regimes.REGIMES[staleness.regime]` (updates per batch, deferred first scoring), the
+engine from `rollout.base.ENGINES`.
+
+`train()` reads as a recipe: start (processes, run dir), build (`Run`: every piece the steps
+use), resume, start tracking, loop over `_train_step(run)`, save, close. Each stage is a
+function of the `Run`, so none needs more than it holds.
 
 Run it: `bapo train algo=bapo staleness=4` (tiny model, synthetic arithmetic, CPU is fine).
 """
@@ -32,10 +37,9 @@ from bapo_cli.algos import advantages as adv_registry
 from bapo_cli.config.schema import TrainConfig
 from bapo_cli.evaluation import evaluate
 from bapo_cli.models import loading as models
-from bapo_cli.rewards import GradeReport, MathGrader, StepGrader
 from bapo_cli.rollout.base import Sample, SamplingParams, make_engine, resolve_engine_name
 from bapo_cli.rollout.collect import Collector
-from bapo_cli.staleness.regimes import Regime, make_regime
+from bapo_cli.staleness.regimes import REGIMES, Regime, make_regime
 from bapo_cli.tracking import describe_failure, flatten, make_tracker, redact
 from bapo_cli.trainer import checkpoint, distributed
 from bapo_cli.trainer.policy import (
@@ -46,7 +50,10 @@ from bapo_cli.trainer.policy import (
     record_behaviour,
 )
 from bapo_cli.trainer.progress import TrainProgress, summary_table
+from bapo_cli.trainer.prompts import PromptStream
 from bapo_cli.trainer.update import LossSpec, loss_spec, optimizer_update, tis_weights
+
+__all__ = ["PromptStream", "TrainResult", "TrainState", "TrainingError", "run_record", "train"]
 
 
 class TrainingError(RuntimeError):
@@ -73,6 +80,71 @@ class TrainResult:
     last_batch: list[Sample] = field(default_factory=list)  # the samples of the last step
 
 
+@dataclass
+class Run:
+    """Everything one training run built, handed to each stage (resume, step, save, close)."""
+
+    cfg: TrainConfig
+    ctx: distributed.DistContext
+    console: Console
+    run_dir: Path  # rank 0's run dir, on every rank
+    model: torch.nn.Module  # the policy itself: checkpoints and the engine read it
+    scorer: torch.nn.Module  # what computes log-probs (DDP-wrapped or FSDP2-sharded)
+    ref_model: torch.nn.Module | None  # the frozen KL reference (algo.kl_coef > 0)
+    tokenizer: Any
+    device: torch.device
+    prompts: PromptStream
+    engine_name: str
+    engine: Any
+    spec: LossSpec
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LambdaLR
+    # set by _build once the run exists: the collector scores with `score`, which splits by the
+    # regime, which draws from the collector
+    collector: Collector = field(init=False)
+    regime: Regime = field(init=False)
+    state: TrainState = field(default_factory=TrainState)
+    run_id: str | None = None  # the MLflow run to continue (resume)
+    val_sets: list[Any] = field(default_factory=list)
+    last_ckpt: Path | None = None
+    updates: list[dict[str, float]] = field(default_factory=list)  # per optimizer update
+    batch: list[Sample] = field(default_factory=list)  # the samples of the last step
+
+    def layout(self, samples: list[Sample]) -> list[list[MicroBatch]]:
+        """Mini-batches (one per optimizer update) of micro-batches; the same split scores the
+        behaviour log-probs and trains, so an on-policy update sees identical tensors."""
+        size, pad = self.cfg.trainer.micro_batch_size, self.tokenizer.pad_token_id
+        return [
+            [collate(part[i : i + size], pad, self.device) for i in range(0, len(part), size)]
+            for part in self.regime.split(samples)
+        ]
+
+    def score(self, samples: list[Sample]) -> None:
+        """Behaviour log-probs of fresh samples. A regime whose first mini-batch is trained by
+        the weights that sampled it (`defer_first`) leaves that one to the first update's own
+        forward (not with an engine that reports its own log-probs: those are compared with the
+        trainer's)."""
+        defer_first = (
+            self.regime.defer_first
+            and self.cfg.trainer.old_logprob == "behaviour"
+            and self.engine_name == "hf"
+        )
+        for i, mini in enumerate(self.layout(samples)):
+            if defer_first and i == 0:
+                continue
+            for mb in mini:
+                record_behaviour(self.scorer, mb, self.cfg.rollout.temperature)
+
+    def rank_state(self) -> dict[str, Any]:
+        """What differs between ranks: sampling RNG, data position, the regime's buffers."""
+        return {
+            "regime": self.regime.state_dict(),
+            "prompts": self.prompts.state_dict(),
+            "next_group": self.collector.next_group,
+            "rng": checkpoint.rng_state(),
+        }
+
+
 def train(
     cfg: TrainConfig,
     run_dir: Path,
@@ -80,7 +152,40 @@ def train(
     *,
     tags: dict[str, str] | None = None,  # extra run tags (a sweep job's parent, overrides)
 ) -> TrainResult:
-    # one process unless started by torchrun
+    """Start, build, resume, track, loop, save, close."""
+    ctx, run_dir, console = _start(cfg, run_dir, console)
+    resume_from, saved = _find_checkpoint(cfg, run_dir, console)
+    run = _build(cfg, ctx, run_dir, console, resume_from)
+    if resume_from is not None and saved is not None:
+        _resume(run, resume_from, saved)
+    tracker = _start_tracking(run, tags or {}, resumed=resume_from is not None)
+    run.val_sets = (
+        evaluate.validation_sets(cfg, grader=run.prompts.math.grade_batch)
+        if cfg.trainer.val_every and ctx.is_main
+        else []
+    )
+    if cfg.trainer.val_every and run.state.step == 0:
+        tracker.log_metrics(_validate(run), step=0)
+    status = "FAILED"
+    try:
+        _loop(run, tracker)
+        status = "FINISHED"
+    finally:
+        _close(run, tracker, status)
+    console.print(summary_table(run.state.history, run_dir, cfg.tracking.uri, tracker.run_id))
+    return TrainResult(
+        run_dir, tracker.run_id, run.state.history, run.last_ckpt, run.updates, run.batch
+    )
+
+
+# --------------------------------------------------------------------------------- start, build
+
+
+def _start(
+    cfg: TrainConfig, run_dir: Path, console: Console | None
+) -> tuple[distributed.DistContext, Path, Console]:
+    """The process group (one process unless started by torchrun), rank 0's run dir on every
+    rank, and a console that only rank 0 prints to."""
     ctx = distributed.from_env(cfg.trainer.strategy, cfg.trainer.dist_timeout_min)
     if cfg.trainer.strategy == "fsdp2" and not ctx.enabled:
         raise TrainingError(
@@ -93,40 +198,107 @@ def train(
     transformers.utils.logging.disable_progress_bar()  # ours is the one to watch
     run_dir = Path(ctx.broadcast(str(run_dir)))  # every rank writes under rank 0's run dir
     run_dir.mkdir(parents=True, exist_ok=True)
+    return ctx, run_dir, console
+
+
+def _find_checkpoint(
+    cfg: TrainConfig, run_dir: Path, console: Console
+) -> tuple[Path | None, dict[str, Any] | None]:
+    """(checkpoint dir, its trainer state) to resume from (trainer.resume), else (None, None)."""
+    if not cfg.trainer.resume:
+        return None, None
     ckpt_root = run_dir / "checkpoints"
-    found = checkpoint.latest_usable(ckpt_root, console.print) if cfg.trainer.resume else None
-    resume_from, saved = found if found is not None else (None, None)
-    if cfg.trainer.resume and found is None:
+    found = checkpoint.latest_usable(ckpt_root, console.print)
+    if found is None:
         console.print(
             f"trainer.resume=true but no usable checkpoint in {ckpt_root}: starting fresh"
         )
+        return None, None
+    return found
+
+
+def _build(
+    cfg: TrainConfig,
+    ctx: distributed.DistContext,
+    run_dir: Path,
+    console: Console,
+    resume_from: Path | None,
+) -> Run:
+    """Model, prompts, engine, optimizer, collector and regime (on resume the policy comes from
+    the checkpoint, everything else from the config; the rest of the state from `_resume`)."""
     checkpoint.seed_everything(cfg.trainer.seed)
     torch.use_deterministic_algorithms(True, warn_only=True)
     _check_parallel(cfg, ctx)
+    model, tokenizer, ref_model, scorer, autocast = _policy(cfg, ctx, resume_from)
+    checkpoint.seed_everything(cfg.trainer.seed + ctx.rank)  # ranks sample differently
+    prompts = PromptStream(cfg, tokenizer, console, rank=ctx.rank, world_size=ctx.world_size)
+    device = next(model.parameters()).device
+    engine_name = resolve_engine_name(cfg.rollout.name, device)
+    console.print(f"rollout engine: [bold]{engine_name}[/bold] (rollout={cfg.rollout.name})")
+    engine = make_engine(engine_name, model=model, tokenizer=tokenizer, cfg=cfg, autocast=autocast)
+    optimizer, scheduler = _optimizer(cfg, model)
+    run = Run(
+        cfg=cfg,
+        ctx=ctx,
+        console=console,
+        run_dir=run_dir,
+        model=model,
+        scorer=scorer,
+        ref_model=ref_model,
+        tokenizer=tokenizer,
+        device=device,
+        prompts=prompts,
+        engine_name=engine_name,
+        engine=engine,
+        spec=loss_spec(cfg.algo),
+        optimizer=optimizer,
+        scheduler=scheduler,
+        last_ckpt=resume_from,
+    )
+    run.collector = Collector(
+        engine=engine,
+        tokenizer=tokenizer,
+        params=_sampling(cfg),
+        n=cfg.rollout.n,
+        encode=prompts.encode,
+        reward=prompts.reward,
+        score=run.score,
+        reward_many=prompts.reward_many,
+    )
+    run.regime = make_regime(
+        cfg.staleness.regime,
+        k=cfg.staleness.k,
+        epochs=cfg.staleness.ppo_epochs,
+        collector=run.collector,
+        draw=prompts.draw,  # this rank's share of the stream: whole groups on one rank
+        prompts_per_step=cfg.trainer.prompts_per_step // ctx.world_size,
+    )
+    return run
 
-    # --- model, data, engine -------------------------------------------------------------
-    # on resume the policy comes from the checkpoint (HF format), everything else from the config
+
+def _policy(
+    cfg: TrainConfig, ctx: distributed.DistContext, resume_from: Path | None
+) -> tuple[torch.nn.Module, Any, torch.nn.Module | None, torch.nn.Module, torch.dtype | None]:
+    """(policy, tokenizer, KL reference, scorer, autocast dtype). Mixed precision: float32
+    weights and optimizer state, forwards in model.dtype (autocast; FSDP2 casts through its
+    MixedPrecisionPolicy instead)."""
     model_cfg = cfg.model if resume_from is None else replace(cfg.model, path=str(resume_from))
     device = models.resolve_device(model_cfg)
     compute_dtype = models.resolve_dtype(model_cfg, device)
-    # mixed precision: float32 weights and optimizer state, forwards in model.dtype (autocast;
-    # FSDP2 casts through its MixedPrecisionPolicy instead)
     mixed = cfg.trainer.precision == "mixed" and compute_dtype != torch.float32
     stored_dtype = torch.float32 if mixed else compute_dtype
     autocast = compute_dtype if mixed and not ctx.sharded else None
     model, tokenizer = models.load_policy(model_cfg, device=device, dtype=stored_dtype)
     disable_dropout(model)
     model.train()
-    device = next(model.parameters()).device
     ref_model = _reference(model, cfg, compute_dtype)  # before sharding: a plain frozen copy
     # what computes log-probs: DDP-wrapped or FSDP2-sharded under torchrun
     scorer = ctx.wrap(ResponseLogits(model, autocast), compute_dtype)
-    checkpoint.seed_everything(cfg.trainer.seed + ctx.rank)  # ranks sample differently
-    prompts = PromptStream(cfg, tokenizer, console, rank=ctx.rank, world_size=ctx.world_size)
-    engine_name = resolve_engine_name(cfg.rollout.name, device)
-    console.print(f"rollout engine: [bold]{engine_name}[/bold] (rollout={cfg.rollout.name})")
-    engine = make_engine(engine_name, model=model, tokenizer=tokenizer, cfg=cfg, autocast=autocast)
-    sampling = SamplingParams(
+    return model, tokenizer, ref_model, scorer, autocast
+
+
+def _sampling(cfg: TrainConfig) -> SamplingParams:
+    return SamplingParams(
         temperature=cfg.rollout.temperature,
         top_p=cfg.rollout.top_p,
         top_k=cfg.rollout.top_k,
@@ -134,225 +306,30 @@ def train(
         stop=tuple(cfg.rollout.stop),
         seed=cfg.rollout.seed if cfg.rollout.seed is not None else cfg.trainer.seed,
     )
-    spec = loss_spec(cfg.algo)
-    updates_per_batch = max(cfg.staleness.k, 1) if cfg.staleness.regime == "reuse" else 1
-    micro_size = cfg.trainer.micro_batch_size
 
-    def layout(samples: list[Sample]) -> list[list[MicroBatch]]:
-        """Mini-batches (one per optimizer update) of micro-batches; the same split scores the
-        behaviour log-probs and trains, so an on-policy update sees identical tensors."""
-        return [
-            [
-                collate(part[i : i + micro_size], tokenizer.pad_token_id, device)
-                for i in range(0, len(part), micro_size)
-            ]
-            for part in regime.split(samples)
-        ]
 
-    # reuse: the first mini-batch is trained right away by the weights that sampled it, so its
-    # behaviour log-probs come from that update's own forward instead of a scoring pass (not
-    # with an engine that reports its own log-probs: those are compared with the trainer's)
-    defer_first = (
-        cfg.staleness.regime == "reuse"
-        and cfg.trainer.old_logprob == "behaviour"
-        and engine_name == "hf"
-    )
-
-    def score(samples: list[Sample]) -> None:
-        for i, mini in enumerate(layout(samples)):
-            if defer_first and i == 0:
-                continue
-            for mb in mini:
-                record_behaviour(scorer, mb, cfg.rollout.temperature)
-
-    collector = Collector(
-        engine=engine,
-        tokenizer=tokenizer,
-        params=sampling,
-        n=cfg.rollout.n,
-        encode=prompts.encode,
-        reward=prompts.reward,
-        score=score,
-        reward_many=prompts.reward_many,
-    )
-    regime = make_regime(
-        cfg.staleness.regime,
-        k=cfg.staleness.k,
-        epochs=cfg.staleness.ppo_epochs,
-        collector=collector,
-        draw=prompts.draw,  # this rank's share of the stream: whole groups on one rank
-        prompts_per_step=cfg.trainer.prompts_per_step // ctx.world_size,
-    )
-
-    # --- optimizer ------------------------------------------------------------------------
-    total_updates = cfg.trainer.max_steps * updates_per_batch * cfg.staleness.ppo_epochs
+def _optimizer(
+    cfg: TrainConfig, model: torch.nn.Module
+) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
+    """AdamW and its LR schedule over the run's optimizer updates: the regime says how many
+    updates a rollout batch makes."""
+    per_batch = REGIMES.get(cfg.staleness.regime).updates_per_batch(cfg.staleness.k)
+    total_updates = cfg.trainer.max_steps * per_batch * cfg.staleness.ppo_epochs
     optimizer = torch.optim.AdamW(
         model.parameters(), lr=cfg.trainer.lr, weight_decay=cfg.trainer.weight_decay
     )
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, _lr_lambda(cfg.trainer.warmup_steps, total_updates, cfg.trainer.lr_schedule)
     )
-
-    def rank_state() -> dict[str, Any]:
-        """What differs between ranks: sampling RNG, data position, the regime's buffers."""
-        return {
-            "regime": regime.state_dict(),
-            "prompts": prompts.state_dict(),
-            "next_group": collector.next_group,
-            "rng": checkpoint.rng_state(),
-        }
-
-    # --- tracking and resume --------------------------------------------------------------
-    state = TrainState()
-    run_id = None
-    if resume_from is not None and saved is not None:
-        ranks = saved["ranks"]
-        if len(ranks) != ctx.world_size:
-            raise checkpoint.CheckpointError(
-                f"checkpoint {resume_from} was written by {len(ranks)} ranks; resume with as many "
-                f"(this run has {ctx.world_size})"
-            )
-        mine = ranks[ctx.rank]
-        written_with = saved.get("strategy", "ddp")
-        if (written_with == "fsdp2") != ctx.sharded:
-            raise checkpoint.CheckpointError(
-                f"checkpoint {resume_from} was written with trainer.strategy={written_with}; "
-                f"resume with the same strategy (this run: {cfg.trainer.strategy}"
-                f"{'' if ctx.enabled else ', one process'})"
-            )
-        ctx.load_optimizer(model, optimizer, saved["optimizer"])
-        scheduler.load_state_dict(saved["scheduler"])
-        regime.load_state_dict(mine["regime"])
-        prompts.load_state_dict(mine["prompts"])
-        collector.next_group = mine["next_group"]
-        state = TrainState(**saved["state"])
-        run_id = saved.get("run_id")
-        checkpoint.set_rng_state(mine["rng"])
-        with ctx.gathered(scorer):
-            engine.sync_weights(model, state.version)  # tokens sampled from here carry it
-        console.print(f"resumed from {resume_from} at step {state.step}")
-    try:  # the store must answer at the start; later outages only delay metrics (tracking.py)
-        tracker = make_tracker(
-            cfg.tracking.backend if ctx.is_main else "none",
-            cfg.tracking.uri,
-            cfg.tracking.experiment,
-            run_name=cfg.tracking.run_name or _run_name(cfg),
-            run_id=run_id,
-            tags={**_tags(cfg, engine_name), **(tags or {})},
-            run_dir=run_dir,
-        )
-        params, config_yaml = run_record(cfg)
-        if resume_from is None:
-            tracker.log_params(params)
-    except Exception as err:
-        engine.close()
-        raise TrainingError(
-            f"tracking: cannot start the MLflow run at {redact.text(cfg.tracking.uri)} "
-            f"({describe_failure(err)}); start the server, or pass tracking.uri=... or "
-            "tracking=none"
-        ) from err
-    if resume_from is None:
-        tracker.log_text(config_yaml, "config.yaml")
-    samples_file = run_dir / "samples.jsonl"
-    val_sets = (
-        evaluate.validation_sets(cfg, grader=prompts.math.grade_batch)
-        if cfg.trainer.val_every and ctx.is_main
-        else []
-    )
-
-    def validation() -> dict[str, float]:
-        """Rank 0 validates; every rank enters (FSDP2 gathers the full weights for it)."""
-        with ctx.gathered(scorer):
-            if not val_sets:
-                return {}
-            return evaluate.validate(
-                val_sets,
-                engine,
-                tokenizer,
-                n=cfg.trainer.val_n,
-                max_tokens=cfg.rollout.max_tokens,
-                max_model_len=cfg.model.max_model_len,
-            )
-
-    if cfg.trainer.val_every and state.step == 0:
-        tracker.log_metrics(validation(), step=0)
-
-    # --- the loop -------------------------------------------------------------------------
-    last_ckpt = resume_from
-    all_updates: list[dict[str, float]] = []
-    batch: list[Sample] = []
-    status = "FAILED"
-    try:
-        with TrainProgress(cfg.trainer.max_steps, state.step, console) as progress:
-            while state.step < cfg.trainer.max_steps:
-                metrics, updates, batch = _train_step(
-                    cfg,
-                    state,
-                    scorer,
-                    ref_model,
-                    optimizer,
-                    scheduler,
-                    regime,
-                    engine,
-                    spec,
-                    layout,
-                    collector,
-                    samples_file if ctx.is_main else None,
-                    ctx,
-                )
-                metrics.update(prompts.take_grading())  # reward/timeouts|over_budget, perf/grade_s
-                metrics = ctx.mean_metrics(metrics)
-                all_updates += updates
-                state.step += 1
-                at_end = state.step == cfg.trainer.max_steps
-                if cfg.trainer.val_every and (at_end or state.step % cfg.trainer.val_every == 0):
-                    metrics.update(validation())
-                state.history.append(metrics)
-                if state.step % cfg.trainer.log_every == 0 or state.step == cfg.trainer.max_steps:
-                    tracker.log_metrics(metrics, step=state.step)
-                progress.update(state.step, metrics)
-                if at_end or (cfg.trainer.save_every and state.step % cfg.trainer.save_every == 0):
-                    tracker.flush()
-                    ranks = ctx.gather(rank_state())
-                    weights, optim_state = ctx.full_state(model, optimizer)  # all ranks (FSDP2)
-                    if ctx.is_main:
-                        try:
-                            last_ckpt = checkpoint.save(
-                                ckpt_root,
-                                state.step,
-                                model,
-                                tokenizer,
-                                {
-                                    "optimizer": optim_state,
-                                    "scheduler": scheduler.state_dict(),
-                                    "state": state.__dict__,
-                                    "run_id": tracker.run_id,
-                                    "ranks": ranks,
-                                    "strategy": "fsdp2" if ctx.sharded else "ddp",
-                                },
-                                weights=weights,
-                                keep_last=cfg.trainer.keep_last,
-                            )
-                        except checkpoint.DiskFullError as err:
-                            raise TrainingError(str(err)) from None
-                    ctx.barrier()
-        status = "FINISHED"
-    finally:
-        if samples_file.exists() and ctx.is_main:
-            tracker.log_artifact(samples_file)
-        tracker.close(status)
-        engine.close()
-        prompts.close()
-        distributed.shutdown(ctx, clean=status == "FINISHED")
-    console.print(summary_table(state.history, run_dir, cfg.tracking.uri, tracker.run_id))
-    return TrainResult(run_dir, tracker.run_id, state.history, last_ckpt, all_updates, batch)
+    return optimizer, scheduler
 
 
 def _check_parallel(cfg: TrainConfig, ctx: distributed.DistContext) -> None:
     """What data parallelism needs: equal shares of whole prompt groups on every rank."""
     if not ctx.enabled:
         return
-    parts = ctx.world_size * (max(cfg.staleness.k, 1) if cfg.staleness.regime == "reuse" else 1)
+    per_batch = REGIMES.get(cfg.staleness.regime).updates_per_batch(cfg.staleness.k)
+    parts = ctx.world_size * per_batch
     if cfg.trainer.prompts_per_step % parts:
         raise TrainingError(
             f"trainer.prompts_per_step={cfg.trainer.prompts_per_step} must split into "
@@ -360,103 +337,267 @@ def _check_parallel(cfg: TrainConfig, ctx: distributed.DistContext) -> None:
         )
 
 
-def _train_step(
-    cfg,
-    state,
-    scorer,
-    ref_model,
-    optimizer,
-    scheduler,
-    regime: Regime,
-    engine,
-    spec: LossSpec,
-    layout,
-    collector: Collector,
-    samples_file: Path | None,
-    ctx: distributed.DistContext,
-) -> tuple[dict[str, float], list[dict[str, float]], list[Sample]]:
-    """Rollouts → rewards → advantages → updates → weight sync; returns the step's metrics, the
-    per-update metrics and the samples trained on."""
-    t0 = time.perf_counter()
-    tokens_before = collector.generated_tokens
-    with ctx.gathered(scorer):  # FSDP2: full weights for generation and behaviour scoring
-        batch = regime.next_batch()
-    rollout_s = time.perf_counter() - t0
-    new_tokens = collector.generated_tokens - tokens_before
-    rewards = torch.tensor([s.reward for s in batch], dtype=torch.float64)
-    groups = torch.tensor([s.group for s in batch])
-    adv, adv_stats = adv_registry.REGISTRY.get(cfg.algo.advantage)(rewards, groups)
-    for s, a in zip(batch, adv.tolist(), strict=True):
-        s.advantage = a
+# ------------------------------------------------------------------------- resume, track, close
 
-    t1 = time.perf_counter()
-    update_metrics: list[dict[str, float]] = []
-    trained_tokens = 0
-    minis = layout(batch)  # the tensors the behaviour log-probs were scored on (reuse)
-    recomputed: dict[int, torch.Tensor] = {}
-    for i in range(len(minis) * cfg.staleness.ppo_epochs):
-        micro = minis[i % len(minis)]
-        for j, mb in enumerate(micro):
-            mb.advantages = torch.tensor(
-                [s.advantage for s in mb.samples], dtype=torch.float32, device=mb.mask.device
-            )
-            if i == 0 and mb.unscored:  # deferred: scored by this update's forward
-                mb.old_is_current = True
-            if cfg.rollout.tis_cap is not None:  # engine/trainer mismatch: per-token weights
-                mb.advantages = mb.advantages[:, None] * tis_weights(mb, cfg.rollout.tis_cap)
-            if cfg.trainer.old_logprob == "recompute":  # decoupled PPO: pi_old at first use
-                key = (i % len(minis)) * 100_000 + j
-                if key not in recomputed:
-                    recomputed[key] = _recompute(scorer, mb, cfg.rollout.temperature)
-                mb.old_log_prob = recomputed[key]
-        result = optimizer_update(
-            scorer,
-            optimizer,
-            micro,
-            spec,
-            temperature=cfg.rollout.temperature,
-            grad_clip=cfg.trainer.grad_clip,
-            version=state.version,
-            ref_model=ref_model,
-            dist_ctx=ctx,
+
+def _resume(run: Run, resume_from: Path, saved: dict[str, Any]) -> None:
+    """Optimizer, scheduler, this rank's regime buffers, data position and RNG, and the step and
+    policy version from the checkpoint; the engine continues from the restored weights."""
+    ctx = run.ctx
+    ranks = saved["ranks"]
+    if len(ranks) != ctx.world_size:
+        raise checkpoint.CheckpointError(
+            f"checkpoint {resume_from} was written by {len(ranks)} ranks; resume with as many "
+            f"(this run has {ctx.world_size})"
         )
-        if result.skipped:
-            state.skipped_in_a_row += 1
-            if state.skipped_in_a_row >= cfg.trainer.max_skipped_steps:
-                raise TrainingError(
-                    f"{state.skipped_in_a_row} consecutive updates had a non-finite loss or "
-                    f"gradient (trainer.max_skipped_steps={cfg.trainer.max_skipped_steps}); "
-                    "stopped. Checkpoints in the run dir are from before the trouble: resume "
-                    "from them with a lower trainer.lr"
-                )
-        else:
-            state.skipped_in_a_row = 0
-            state.version += 1
-            scheduler.step()
-        result.metrics["skipped"] = float(result.skipped)
-        update_metrics.append(result.metrics)
-        trained_tokens += result.tokens
+    mine = ranks[ctx.rank]
+    written_with = saved.get("strategy", "ddp")
+    if (written_with == "fsdp2") != ctx.sharded:
+        raise checkpoint.CheckpointError(
+            f"checkpoint {resume_from} was written with trainer.strategy={written_with}; "
+            f"resume with the same strategy (this run: {run.cfg.trainer.strategy}"
+            f"{'' if ctx.enabled else ', one process'})"
+        )
+    ctx.load_optimizer(run.model, run.optimizer, saved["optimizer"])
+    run.scheduler.load_state_dict(saved["scheduler"])
+    run.regime.load_state_dict(mine["regime"])
+    run.prompts.load_state_dict(mine["prompts"])
+    run.collector.next_group = mine["next_group"]
+    run.state = TrainState(**saved["state"])
+    run.run_id = saved.get("run_id")
+    checkpoint.set_rng_state(mine["rng"])
+    with ctx.gathered(run.scorer):
+        run.engine.sync_weights(run.model, run.state.version)  # tokens sampled from here carry it
+    run.console.print(f"resumed from {resume_from} at step {run.state.step}")
+
+
+def _start_tracking(run: Run, tags: dict[str, str], *, resumed: bool) -> Any:
+    """The MLflow run (rank 0; the others get a no-op tracker). The store must answer now;
+    later outages only delay metrics (bapo_cli.tracking)."""
+    cfg = run.cfg
+    try:
+        tracker = make_tracker(
+            cfg.tracking.backend if run.ctx.is_main else "none",
+            cfg.tracking.uri,
+            cfg.tracking.experiment,
+            run_name=cfg.tracking.run_name or _run_name(cfg),
+            run_id=run.run_id,
+            tags={**_tags(cfg, run.engine_name), **tags},
+            run_dir=run.run_dir,
+        )
+        params, config_yaml = run_record(cfg)
+        if not resumed:
+            tracker.log_params(params)
+    except Exception as err:
+        run.engine.close()
+        raise TrainingError(
+            f"tracking: cannot start the MLflow run at {redact.text(cfg.tracking.uri)} "
+            f"({describe_failure(err)}); start the server, or pass tracking.uri=... or "
+            "tracking=none"
+        ) from err
+    if not resumed:
+        tracker.log_text(config_yaml, "config.yaml")
+    return tracker
+
+
+def _validate(run: Run) -> dict[str, float]:
+    """Rank 0 validates; every rank enters (FSDP2 gathers the full weights for it)."""
+    with run.ctx.gathered(run.scorer):
+        if not run.val_sets:
+            return {}
+        return evaluate.validate(
+            run.val_sets,
+            run.engine,
+            run.tokenizer,
+            n=run.cfg.trainer.val_n,
+            max_tokens=run.cfg.rollout.max_tokens,
+            max_model_len=run.cfg.model.max_model_len,
+        )
+
+
+def _close(run: Run, tracker: Any, status: str) -> None:
+    """The samples file to MLflow, the run closed with `status`, engine, graders and process
+    group stopped."""
+    samples_file = run.run_dir / "samples.jsonl"
+    if samples_file.exists() and run.ctx.is_main:
+        tracker.log_artifact(samples_file)
+    tracker.close(status)
+    run.engine.close()
+    run.prompts.close()
+    distributed.shutdown(run.ctx, clean=status == "FINISHED")
+
+
+# ----------------------------------------------------------------------------- loop, step, save
+
+
+def _loop(run: Run, tracker: Any) -> None:
+    """Steps until trainer.max_steps: metrics averaged over ranks, validation, logging and
+    checkpoints at their intervals."""
+    cfg, state = run.cfg, run.state
+    with TrainProgress(cfg.trainer.max_steps, state.step, run.console) as progress:
+        while state.step < cfg.trainer.max_steps:
+            metrics = _train_step(run)
+            metrics.update(run.prompts.take_grading())  # reward/timeouts|over_budget, grade_s
+            metrics = run.ctx.mean_metrics(metrics)
+            state.step += 1
+            at_end = state.step == cfg.trainer.max_steps
+            if cfg.trainer.val_every and (at_end or state.step % cfg.trainer.val_every == 0):
+                metrics.update(_validate(run))
+            state.history.append(metrics)
+            if state.step % cfg.trainer.log_every == 0 or at_end:
+                tracker.log_metrics(metrics, step=state.step)
+            progress.update(state.step, metrics)
+            if at_end or (cfg.trainer.save_every and state.step % cfg.trainer.save_every == 0):
+                _save(run, tracker)
+
+
+def _train_step(run: Run) -> dict[str, float]:
+    """Rollouts → rewards → advantages → updates → weight sync; returns the step's metrics and
+    keeps the per-update metrics (`run.updates`) and the samples trained on (`run.batch`)."""
+    t0 = time.perf_counter()
+    tokens_before = run.collector.generated_tokens
+    with run.ctx.gathered(run.scorer):  # FSDP2: full weights for generation and behaviour scoring
+        batch = run.regime.next_batch()
+    rollout_s = time.perf_counter() - t0
+    new_tokens = run.collector.generated_tokens - tokens_before
+    adv_stats = _advantages(run.cfg, batch)
+    t1 = time.perf_counter()
+    update_metrics, trained_tokens = _optimize(run, batch)
     train_s = time.perf_counter() - t1
-    with ctx.gathered(scorer):  # FSDP2: an engine with its own copy reads the full weights
-        sync_s = engine.sync_weights(getattr(scorer, "module", scorer).model, state.version)
+    with run.ctx.gathered(run.scorer):  # FSDP2: an engine with its own copy reads full weights
+        policy = getattr(run.scorer, "module", run.scorer).model
+        sync_s = run.engine.sync_weights(policy, run.state.version)
     step_s = time.perf_counter() - t0
-    if samples_file is not None:
-        _write_samples(samples_file, state.step + 1, batch, cfg.trainer.log_samples)
+    if run.ctx.is_main:
+        samples_file = run.run_dir / "samples.jsonl"
+        _write_samples(samples_file, run.state.step + 1, batch, run.cfg.trainer.log_samples)
     metrics = _step_metrics(
         batch,
         adv_stats,
         update_metrics,
-        optimizer,
+        run.optimizer,
         rollout_s=rollout_s,
         train_s=train_s,
         sync_s=sync_s,
         step_s=step_s,
         new_tokens=new_tokens,
         trained_tokens=trained_tokens,
-        searched=spec.searches_bounds,
+        searched=run.spec.searches_bounds,
     )
-    metrics.update(collector.take_mismatch())  # rollout/logprob_abs_diff_* (engine log-probs)
-    return metrics, update_metrics, batch
+    metrics.update(run.collector.take_mismatch())  # rollout/logprob_abs_diff_* (engine)
+    run.updates += update_metrics
+    run.batch = batch
+    return metrics
+
+
+def _advantages(cfg: TrainConfig, batch: list[Sample]) -> dict[str, Any]:
+    """Each sample's advantage (algo.advantage over its prompt group); the estimator's stats."""
+    rewards = torch.tensor([s.reward for s in batch], dtype=torch.float64)
+    groups = torch.tensor([s.group for s in batch])
+    adv, adv_stats = adv_registry.REGISTRY.get(cfg.algo.advantage)(rewards, groups)
+    for s, a in zip(batch, adv.tolist(), strict=True):
+        s.advantage = a
+    return adv_stats
+
+
+def _optimize(run: Run, batch: list[Sample]) -> tuple[list[dict[str, float]], int]:
+    """One optimizer update per mini-batch, × ppo_epochs; (per-update metrics, tokens trained)."""
+    minis = run.layout(batch)  # the tensors the behaviour log-probs were scored on (reuse)
+    recomputed: dict[tuple[int, int], torch.Tensor] = {}
+    update_metrics: list[dict[str, float]] = []
+    trained_tokens = 0
+    for i in range(len(minis) * run.cfg.staleness.ppo_epochs):
+        micro = minis[i % len(minis)]
+        for j, mb in enumerate(micro):
+            _prepare(run, mb, first=i == 0, key=(i % len(minis), j), recomputed=recomputed)
+        result = optimizer_update(
+            run.scorer,
+            run.optimizer,
+            micro,
+            run.spec,
+            temperature=run.cfg.rollout.temperature,
+            grad_clip=run.cfg.trainer.grad_clip,
+            version=run.state.version,
+            ref_model=run.ref_model,
+            dist_ctx=run.ctx,
+        )
+        _count_update(run, result.skipped)
+        result.metrics["skipped"] = float(result.skipped)
+        update_metrics.append(result.metrics)
+        trained_tokens += result.tokens
+    return update_metrics, trained_tokens
+
+
+def _prepare(
+    run: Run,
+    mb: MicroBatch,
+    *,
+    first: bool,
+    key: tuple[int, int],
+    recomputed: dict[tuple[int, int], torch.Tensor],
+) -> None:
+    """A micro-batch's advantages (TIS-weighted per token under rollout.tis_cap) and pi_old."""
+    cfg = run.cfg
+    mb.advantages = torch.tensor(
+        [s.advantage for s in mb.samples], dtype=torch.float32, device=mb.mask.device
+    )
+    if first and mb.unscored:  # deferred: scored by this update's forward
+        mb.old_is_current = True
+    if cfg.rollout.tis_cap is not None:  # engine/trainer mismatch: per-token weights
+        mb.advantages = mb.advantages[:, None] * tis_weights(mb, cfg.rollout.tis_cap)
+    if cfg.trainer.old_logprob == "recompute":  # decoupled PPO: pi_old at first use
+        if key not in recomputed:
+            recomputed[key] = _recompute(run.scorer, mb, cfg.rollout.temperature)
+        mb.old_log_prob = recomputed[key]
+
+
+def _count_update(run: Run, skipped: bool) -> None:
+    """An applied update advances the policy version and the LR schedule; too many skipped in a
+    row (non-finite loss or gradient) stop the run."""
+    state, limit = run.state, run.cfg.trainer.max_skipped_steps
+    if not skipped:
+        state.skipped_in_a_row = 0
+        state.version += 1
+        run.scheduler.step()
+        return
+    state.skipped_in_a_row += 1
+    if state.skipped_in_a_row >= limit:
+        raise TrainingError(
+            f"{state.skipped_in_a_row} consecutive updates had a non-finite loss or "
+            f"gradient (trainer.max_skipped_steps={limit}); "
+            "stopped. Checkpoints in the run dir are from before the trouble: resume "
+            "from them with a lower trainer.lr"
+        )
+
+
+def _save(run: Run, tracker: Any) -> None:
+    """A checkpoint: every rank's state gathered, weights and optimizer state in full (FSDP2
+    gathers them on all ranks), written by rank 0."""
+    ctx = run.ctx
+    tracker.flush()
+    ranks = ctx.gather(run.rank_state())
+    weights, optim_state = ctx.full_state(run.model, run.optimizer)  # all ranks (FSDP2)
+    if ctx.is_main:
+        try:
+            run.last_ckpt = checkpoint.save(
+                run.run_dir / "checkpoints",
+                run.state.step,
+                run.model,
+                run.tokenizer,
+                {
+                    "optimizer": optim_state,
+                    "scheduler": run.scheduler.state_dict(),
+                    "state": run.state.__dict__,
+                    "run_id": tracker.run_id,
+                    "ranks": ranks,
+                    "strategy": "fsdp2" if ctx.sharded else "ddp",
+                },
+                weights=weights,
+                keep_last=run.cfg.trainer.keep_last,
+            )
+        except checkpoint.DiskFullError as err:
+            raise TrainingError(str(err)) from None
+    ctx.barrier()
 
 
 @torch.no_grad()
@@ -588,11 +729,6 @@ def _run_name(cfg: TrainConfig) -> str:
     return f"{cfg.algo.name}-{stale}-{cfg.model.name}-s{cfg.trainer.seed}"
 
 
-def _exact_batch(reward_fn: Any, texts: Any, answers: Any, *, budget_s: Any = None) -> GradeReport:
-    """A per-sample exact-match reward (data=arith) as a batch grader: instant, no budget needed."""
-    return GradeReport([reward_fn(t, a) > 0 for t, a in zip(texts, answers, strict=True)])
-
-
 def _tags(cfg: TrainConfig, engine: str) -> dict[str, str]:
     tags = {
         "algo": cfg.algo.name,
@@ -637,80 +773,3 @@ def source_commit(package: Path | None = None) -> str | None:
     if name != "bapo-cli":
         return None
     return _git(package, "rev-parse", "HEAD") or None
-
-
-class PromptStream:
-    """The training prompts as an endless, seeded, resumable stream (position = prompts drawn).
-
-    Regimes draw different counts per step (partial rollouts top up their pool), so the stream is
-    addressed by position, not by step; the order is the prompt set's seeded per-epoch shuffle.
-    """
-
-    def __init__(
-        self,
-        cfg: TrainConfig,
-        tokenizer: Any,
-        console: Console,
-        *,
-        rank: int = 0,
-        world_size: int = 1,
-    ) -> None:
-        from functools import partial
-
-        from bapo_cli.data.datasets import build_prompt_set
-
-        self.tokenizer = tokenizer
-        prompt_set = build_prompt_set(cfg.data)
-        limit = max(cfg.model.max_model_len - cfg.rollout.max_tokens, 1)
-        fmt = partial(models.format_prompt, tokenizer)
-        self.prompt_set, dropped = prompt_set.filter_long(tokenizer, limit, format=fmt)
-        self.skipped_rows, self.dropped_long = prompt_set.skipped, dropped
-        if dropped or prompt_set.skipped:
-            console.print(
-                f"[yellow]prompts: {prompt_set.skipped} unusable rows skipped, {dropped} longer "
-                f"than {limit} tokens dropped; {len(self.prompt_set)} kept[/yellow]"
-            )
-        self.position = 0  # prompts this rank has drawn
-        self.rank, self.world_size = rank, world_size
-        # math grading (data.kind=dataset, and validation on math benchmarks) under reward.*;
-        # worker processes start on first need, so an arith run never starts one
-        self.math = MathGrader(timeout_s=cfg.reward.timeout_s, workers=cfg.reward.workers)
-        if cfg.data.kind == "dataset":
-            grade = self.math.grade_batch
-        else:
-            grade = partial(_exact_batch, self.prompt_set.reward_fn)
-        self.grading = StepGrader(grade, cfg.reward.step_budget_s)
-
-    def draw(self, count: int) -> list[Any]:
-        """The next `count` prompts of this rank's share: global positions rank, rank + W, ...
-        (ranks never share a prompt, whatever counts they draw)."""
-        w = self.world_size
-        out = self.prompt_set.take(self.position * w, count * w)[self.rank :: w]
-        self.position += count
-        return out
-
-    def encode(self, problem: Any) -> list[int]:
-        text = models.format_prompt(self.tokenizer, self.prompt_set.render(problem))
-        return list(self.tokenizer(text)["input_ids"])
-
-    def reward(self, text: str, problem: Any) -> float:
-        return self.reward_many([text], [problem])[0]
-
-    def reward_many(self, texts: list[str], problems: list[Any]) -> list[float]:
-        """Rewards of finished samples, graded together within the step's grading budget."""
-        verdicts = self.grading.grade(texts, [p.answer for p in problems])
-        return [float(v) for v in verdicts]
-
-    def take_grading(self) -> dict[str, float]:
-        """The step's reward/timeouts, reward/over_budget and perf/grade_s; resets the budget."""
-        return self.grading.take()
-
-    def close(self) -> None:
-        """Stop the math-verify worker processes."""
-        self.math.close()
-
-    def state_dict(self) -> dict[str, int]:
-        return {"position": self.position}
-
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        self.position = state["position"]

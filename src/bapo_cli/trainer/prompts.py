@@ -1,0 +1,98 @@
+"""The training prompts of one rank: an endless, seeded, resumable stream, and their grading.
+
+`PromptStream` is what the staleness regimes draw from (`draw(count)`) and what the collector
+encodes and grades with (`encode`, `reward_many`); its position is checkpointed, so a resumed run
+draws the same prompts it would have drawn.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rich.console import Console
+
+from bapo_cli.config.schema import TrainConfig
+from bapo_cli.models import loading as models
+from bapo_cli.rewards import GradeReport, MathGrader, StepGrader
+
+
+class PromptStream:
+    """The training prompts as an endless, seeded, resumable stream (position = prompts drawn).
+
+    Regimes draw different counts per step (partial rollouts top up their pool), so the stream is
+    addressed by position, not by step; the order is the prompt set's seeded per-epoch shuffle.
+    """
+
+    def __init__(
+        self,
+        cfg: TrainConfig,
+        tokenizer: Any,
+        console: Console,
+        *,
+        rank: int = 0,
+        world_size: int = 1,
+    ) -> None:
+        from functools import partial
+
+        from bapo_cli.data.datasets import build_prompt_set
+
+        self.tokenizer = tokenizer
+        prompt_set = build_prompt_set(cfg.data)
+        limit = max(cfg.model.max_model_len - cfg.rollout.max_tokens, 1)
+        fmt = partial(models.format_prompt, tokenizer)
+        self.prompt_set, dropped = prompt_set.filter_long(tokenizer, limit, format=fmt)
+        self.skipped_rows, self.dropped_long = prompt_set.skipped, dropped
+        if dropped or prompt_set.skipped:
+            console.print(
+                f"[yellow]prompts: {prompt_set.skipped} unusable rows skipped, {dropped} longer "
+                f"than {limit} tokens dropped; {len(self.prompt_set)} kept[/yellow]"
+            )
+        self.position = 0  # prompts this rank has drawn
+        self.rank, self.world_size = rank, world_size
+        # math grading (data.kind=dataset, and validation on math benchmarks) under reward.*;
+        # worker processes start on first need, so an arith run never starts one
+        self.math = MathGrader(timeout_s=cfg.reward.timeout_s, workers=cfg.reward.workers)
+        if cfg.data.kind == "dataset":
+            grade = self.math.grade_batch
+        else:
+            grade = partial(_exact_batch, self.prompt_set.reward_fn)
+        self.grading = StepGrader(grade, cfg.reward.step_budget_s)
+
+    def draw(self, count: int) -> list[Any]:
+        """The next `count` prompts of this rank's share: global positions rank, rank + W, ...
+        (ranks never share a prompt, whatever counts they draw)."""
+        w = self.world_size
+        out = self.prompt_set.take(self.position * w, count * w)[self.rank :: w]
+        self.position += count
+        return out
+
+    def encode(self, problem: Any) -> list[int]:
+        text = models.format_prompt(self.tokenizer, self.prompt_set.render(problem))
+        return list(self.tokenizer(text)["input_ids"])
+
+    def reward(self, text: str, problem: Any) -> float:
+        return self.reward_many([text], [problem])[0]
+
+    def reward_many(self, texts: list[str], problems: list[Any]) -> list[float]:
+        """Rewards of finished samples, graded together within the step's grading budget."""
+        verdicts = self.grading.grade(texts, [p.answer for p in problems])
+        return [float(v) for v in verdicts]
+
+    def take_grading(self) -> dict[str, float]:
+        """The step's reward/timeouts, reward/over_budget and perf/grade_s; resets the budget."""
+        return self.grading.take()
+
+    def close(self) -> None:
+        """Stop the math-verify worker processes."""
+        self.math.close()
+
+    def state_dict(self) -> dict[str, int]:
+        return {"position": self.position}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.position = state["position"]
+
+
+def _exact_batch(reward_fn: Any, texts: Any, answers: Any, *, budget_s: Any = None) -> GradeReport:
+    """A per-sample exact-match reward (data=arith) as a batch grader: instant, no budget needed."""
+    return GradeReport([reward_fn(t, a) > 0 for t, a in zip(texts, answers, strict=True)])
