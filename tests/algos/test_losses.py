@@ -23,10 +23,13 @@ BASE_METRICS = {
     "ratio_max",
     "pos_mass",
     "neg_mass",
+    "active_tokens",
     "nonfinite_tokens",
 }
-# every loss reports the bounds it used and the positive share of the active mass at them
-LOSS_METRICS = BASE_METRICS | {"c_low", "c_high", "rho_before", "rho", "search_steps"}
+# every loss reports the bounds it used and the positive share of the active mass at them, with
+# the sums that share is of (so a trainer can weight it by mass)
+RHO_SUMS = {"rho_pos", "rho_neg", "rho_pos_before", "rho_neg_before"}
+LOSS_METRICS = BASE_METRICS | RHO_SUMS | {"c_low", "c_high", "rho_before", "rho", "search_steps"}
 
 
 def make_batch(seed, b=6, t=9, dtype=torch.float64, stale=0.5, p_pos=0.4):

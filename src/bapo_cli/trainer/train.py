@@ -29,6 +29,7 @@ from omegaconf import OmegaConf
 from rich.console import Console
 
 from bapo_cli.algos import advantages as adv_registry
+from bapo_cli.algos.bounds import rho_from_sums
 from bapo_cli.config.schema import TrainConfig
 from bapo_cli.evaluation import evaluate
 from bapo_cli.models import loading as models
@@ -46,7 +47,13 @@ from bapo_cli.trainer.policy import (
     record_behaviour,
 )
 from bapo_cli.trainer.progress import TrainProgress, summary_table
-from bapo_cli.trainer.update import LossSpec, loss_spec, optimizer_update, tis_weights
+from bapo_cli.trainer.update import (
+    RHO_SUMS,
+    LossSpec,
+    loss_spec,
+    optimizer_update,
+    tis_weights,
+)
 
 
 class TrainingError(RuntimeError):
@@ -420,20 +427,7 @@ def _train_step(
             ref_model=ref_model,
             dist_ctx=ctx,
         )
-        if result.skipped:
-            state.skipped_in_a_row += 1
-            if state.skipped_in_a_row >= cfg.trainer.max_skipped_steps:
-                raise TrainingError(
-                    f"{state.skipped_in_a_row} consecutive updates had a non-finite loss or "
-                    f"gradient (trainer.max_skipped_steps={cfg.trainer.max_skipped_steps}); "
-                    "stopped. Checkpoints in the run dir are from before the trouble: resume "
-                    "from them with a lower trainer.lr"
-                )
-        else:
-            state.skipped_in_a_row = 0
-            state.version += 1
-            scheduler.step()
-        result.metrics["skipped"] = float(result.skipped)
+        _account_update(result, state, scheduler, cfg.trainer.max_skipped_steps)
         update_metrics.append(result.metrics)
         trained_tokens += result.tokens
     train_s = time.perf_counter() - t1
@@ -468,6 +462,31 @@ def _recompute(model, mb: MicroBatch, temperature: float) -> torch.Tensor:
     return logp
 
 
+def _account_update(result, state: TrainState, scheduler, max_skipped: int) -> None:
+    """After one optimizer update: a new policy version and a scheduler step if the optimizer
+    stepped. A non-finite update counts toward `trainer.max_skipped_steps` in a row (then stop);
+    an update without gradient (`result.no_grad`: every token clipped or A = 0 on every rank)
+    is no fault: it neither counts nor breaks the streak, and is logged as actor/no_grad_updates.
+    """
+    if result.no_grad:
+        pass  # the weights did not move: same version, same learning-rate schedule position
+    elif result.skipped:
+        state.skipped_in_a_row += 1
+        if state.skipped_in_a_row >= max_skipped:
+            raise TrainingError(
+                f"{state.skipped_in_a_row} consecutive updates had a non-finite loss or "
+                f"gradient (trainer.max_skipped_steps={max_skipped}); "
+                "stopped. Checkpoints in the run dir are from before the trouble: resume "
+                "from them with a lower trainer.lr"
+            )
+    else:
+        state.skipped_in_a_row = 0
+        state.version += 1
+        scheduler.step()
+    result.metrics["skipped"] = float(result.skipped)
+    result.metrics["no_grad"] = float(result.no_grad)
+
+
 def _step_metrics(
     batch,
     adv_stats,
@@ -484,7 +503,11 @@ def _step_metrics(
 ) -> dict[str, float]:
     """The step's logged numbers. Every loss reports its bounds and the positive share of the
     active mass (`actor/c_low`, `actor/c_high`, `actor/rho`); a loss that searches its bounds
-    (`searched`, BAPO) also logs the search under `bapo/`."""
+    (`searched`, BAPO) also logs the search under `bapo/`.
+
+    rho and rho_before are weighted by mass over the step's updates, sum(pos) / sum(pos + neg):
+    an update without active mass (rho = 1 by convention) adds nothing, and
+    `actor/zero_mass_frac` says how many there were."""
     rewards = [s.reward for s in batch]
     lengths = [len(s.response_ids) for s in batch]
     out: dict[str, float] = {
@@ -496,6 +519,7 @@ def _step_metrics(
         "actor/lr": optimizer.param_groups[0]["lr"],
         "actor/updates": float(len(updates)),
         "actor/skipped_steps": sum(u["skipped"] for u in updates),
+        "actor/no_grad_updates": sum(u.get("no_grad", 0.0) for u in updates),
         "perf/step_s": step_s,
         "perf/rollout_s": rollout_s,
         "perf/rollout_tokens_per_s": new_tokens / max(rollout_s, 1e-9),
@@ -515,18 +539,25 @@ def _step_metrics(
         "nonfinite_tokens": "actor/nonfinite_tokens",
         "c_low": "actor/c_low",
         "c_high": "actor/c_high",
-        "rho": "actor/rho",
+        "zero_mass": "actor/zero_mass_frac",
         "staleness_mean": "staleness/mean",
     }
     if searched:
-        names.update(rho_before="bapo/rho_before", search_steps="bapo/search_steps")
+        names.update(search_steps="bapo/search_steps", search_moved="bapo/search_moved_frac")
     for key, name in names.items():
         values = [u[key] for u in updates if key in u]
         if values:
             out[name] = sum(values) / len(values)
+    rho_sums = [sum(u.get(k, 0.0) for u in updates) for k in RHO_SUMS]
+    if updates:
+        pos, neg, pos_before, neg_before = rho_sums
+        out["actor/rho"] = rho_from_sums(pos, neg)
+        if searched:
+            out["bapo/rho_before"] = rho_from_sums(pos_before, neg_before)
     if searched:
-        for key in ("c_low", "c_high", "rho"):
-            out[f"bapo/{key}"] = out[f"actor/{key}"]
+        for key in ("c_low", "c_high", "rho", "zero_mass_frac"):
+            if f"actor/{key}" in out:
+                out[f"bapo/{key}"] = out[f"actor/{key}"]
     out["staleness/max"] = max((u.get("staleness_max", 0.0) for u in updates), default=0.0)
     out["actor/ratio_max"] = max((u.get("ratio_max", 0.0) for u in updates), default=0.0)
     for key in updates[0] if updates else []:
