@@ -190,9 +190,7 @@ def optimizer_update(
             # a non-finite loss back-propagates non-finite gradients: the step is skipped below
             # (every rank keeps going, so DDP ranks stay in step)
             row = [~torch.isfinite(loss.detach()), m["active_tokens"], *(m[k] for k in RHO_SUMS)]
-            row_t = torch.stack(
-                [torch.as_tensor(v, dtype=torch.float64).to(loss.device) for v in row]
-            )
+            row_t = torch.stack([_on_device(v, loss.device) for v in row])
             tally = row_t if tally is None else tally + row_t
             loss.backward()
             c_low, c_high = float(m["c_low"]), float(m["c_high"])  # what the loss clipped with
@@ -237,6 +235,14 @@ def optimizer_update(
     metrics["active_tokens"] = active
     metrics["no_grad"] = float(no_grad)
     return UpdateResult(metrics, skipped, tokens, no_grad)
+
+
+def _on_device(value: Tensor | float, device: torch.device) -> Tensor:
+    """A 0-dim float64 tensor on `device`; a Python number (a search's sum) is filled in there
+    rather than copied from host memory, which would wait for the device queue."""
+    if isinstance(value, Tensor):
+        return value.detach().to(device=device, dtype=torch.float64)
+    return torch.full((), float(value), dtype=torch.float64, device=device)
 
 
 def _single_pass_bounds(
