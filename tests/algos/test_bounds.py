@@ -488,3 +488,17 @@ def test_integer_ratio_is_rejected():
 @settings(max_examples=10, deadline=None, derandomize=True)
 def test_valid_rho0_accepted(rho0):
     assert adaptive_bounds(torch.ones(2), torch.ones(2), torch.ones(2), rho0=rho0).steps == 0
+
+
+def test_bounds_carry_the_sums_rho_is_the_share_of():
+    # start (0.6, 1.2): active are the positive at r = 0.5 and the negative at r = 1.0 (P = 0.5,
+    # N = 1.0, rho 1/3); the positive at r = 2.0 enters at c_high = 2.05, 17 steps on (P = 2.5)
+    ratio = torch.tensor([0.5, 2.0, 1.0], dtype=torch.float64)
+    adv = torch.tensor([1.0, 1.0, -1.0], dtype=torch.float64)
+    got = adaptive_bounds(ratio, adv, torch.ones(3, dtype=torch.bool), rho0=0.6)
+    assert (got.c_low, got.c_high, got.steps) == (0.6, 2.05, 17)
+    assert (got.pos_before, got.neg_before, got.pos, got.neg) == (0.5, 1.0, 2.5, 1.0)
+    assert got.rho_before == 0.5 / 1.5 and got.rho == 2.5 / 3.5
+    # no mass at all: rho is 1 by convention only, and the sums say so
+    none = adaptive_bounds(ratio, torch.zeros(3, dtype=torch.float64), torch.ones(3).bool())
+    assert (none.rho, none.pos, none.neg, none.pos_before, none.neg_before) == (1.0, 0, 0, 0, 0)

@@ -23,10 +23,13 @@ BASE_METRICS = {
     "ratio_max",
     "pos_mass",
     "neg_mass",
+    "active_tokens",
     "nonfinite_tokens",
 }
-# every loss reports the bounds it used and the positive share of the active mass at them
-LOSS_METRICS = BASE_METRICS | {"c_low", "c_high", "rho_before", "rho", "search_steps"}
+# every loss reports the bounds it used and the positive share of the active mass at them, with
+# the sums that share is of (so a trainer can weight it by mass)
+RHO_SUMS = {"rho_pos", "rho_neg", "rho_pos_before", "rho_neg_before"}
+LOSS_METRICS = BASE_METRICS | RHO_SUMS | {"c_low", "c_high", "rho_before", "rho", "search_steps"}
 
 
 def make_batch(seed, b=6, t=9, dtype=torch.float64, stale=0.5, p_pos=0.4):
@@ -432,3 +435,24 @@ def test_shape_mismatches_name_the_tensor(which):
         args[which] = args[which][:, :3] if args[which].dim() == 2 else args[which][:2]
     with pytest.raises(ValueError, match=which):
         policy_loss("bapo", **args)
+
+
+def test_every_loss_reports_the_sums_of_rho_in_the_searchs_units():
+    ratio = torch.tensor([[0.5, 1.0, 1.5, 0.5, 1.0, 4.0]], dtype=torch.float64)
+    adv = torch.tensor([[1.0, 1.0, 1.0, -1.0, -1.0, -1.0]], dtype=torch.float64)
+    old, mask = torch.zeros_like(ratio), torch.ones_like(ratio).bool()
+    _, _, m = loss_and_grad("ppo", ratio.log(), old, adv, mask)
+    # active: positives r = 0.5, 1.0 (P = 1.5), the negative r = 1.0 (N = 1.0); sums, not means
+    assert (m["rho_pos"].item(), m["rho_neg"].item(), m["active_tokens"].item()) == (1.5, 1, 3)
+    assert (m["rho_pos_before"].item(), m["rho_neg_before"].item()) == (1.5, 1.0)
+    assert m["rho"].item() == 1.5 / 2.5
+    # BAPO reports its search's P and N, which are exactly what a BoundAccumulator sums
+    _, _, b = loss_and_grad("bapo", ratio.log(), old, adv, mask, rho0=0.7)
+    want = adaptive_bounds(ratio, adv, mask, rho0=0.7, dual_clip=3.0)
+    assert (b["rho_pos"], b["rho_neg"]) == (want.pos, want.neg) == (3.0, 1.0)  # 1.5 enters
+    assert (b["rho_pos_before"], b["rho_neg_before"]) == (1.5, 1.0)
+    assert b["active_tokens"].item() == 4
+    # nothing active (every advantage 0): no tokens carry gradient, the sums are 0
+    _, grad, z = loss_and_grad("ppo", ratio.log(), old, torch.zeros_like(adv), mask)
+    assert z["active_tokens"].item() == 0 and z["rho_pos"].item() + z["rho_neg"].item() == 0
+    assert bool((grad == 0).all())

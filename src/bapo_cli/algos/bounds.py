@@ -51,7 +51,8 @@ Choices (docs/bapo.md points users here)
   steps is ``floor((b - a) / step + 1e-9)`` so that 1.2 + 36 * 0.05 counts as <= 3.0.
 * The loop guard is literal: when the low range admits no step (a_low == b_low) there is no path
   beyond point 0, not even c_high steps. To adapt only c_high keep the low range one step wide.
-* rho := 1 when no token carries mass (0/0: nothing to balance).
+* rho := 1 when no token carries mass (0/0: nothing to balance). `BapoBounds` carries P and N too,
+  so a trainer averages rho by mass over its updates and a massless one does not count as 1.
 * If no mass-carrying token changes activity anywhere on the path (on-policy data, r == 1, is the
   common case), rho is constant and walking the path would not change the loss: steps = 0.
 * Mass is w * r * |A| with r detached; w = 1 unless `weights` is given (the paper's Eq. 8 uses
@@ -112,6 +113,10 @@ class BapoBounds:
 
     c_low, c_high: the chosen bounds. rho_before: rho at the start point (a_low, a_high).
     rho: rho at the chosen point. steps: path steps taken (0 = start point).
+    pos_before, neg_before / pos, neg: the sums P and N that rho_before / rho are the shares of
+    (w r |A| over the searched tokens, all ranks summed), so that a caller can weight rho by mass
+    across several searches: sum(pos) / sum(pos + neg), where a search with no mass adds nothing
+    (its rho is 1 only by the 0/0 convention).
     """
 
     c_low: float
@@ -119,6 +124,10 @@ class BapoBounds:
     rho_before: float
     rho: float
     steps: int
+    pos_before: float = 0.0
+    neg_before: float = 0.0
+    pos: float = 0.0
+    neg: float = 0.0
 
 
 def range_pair(name: str, value: Any) -> tuple[float, float]:
@@ -324,8 +333,11 @@ def _solve(path: BoundPath, sums: list[float], rho0: float) -> BapoBounds:
     pos_at, neg_at, changes = _rho_curve(path, sums)
     n_h = path.n_high
 
+    def sums_at(k: int) -> tuple[float, float]:
+        return pos_at[min(k, n_h)], neg_at[max(0, k - n_h)]
+
     def rho_at(k: int) -> float:
-        return rho_from_sums(pos_at[min(k, n_h)], neg_at[max(0, k - n_h)])
+        return rho_from_sums(*sums_at(k))
 
     k = 0
     if changes:  # otherwise rho (and the loss) is the same at every point: stay at the start
@@ -333,7 +345,18 @@ def _solve(path: BoundPath, sums: list[float], rho0: float) -> BapoBounds:
         while k < last and rho_at(k) < rho0:
             k += 1
     c_low, c_high = path.point(k)
-    return BapoBounds(c_low=c_low, c_high=c_high, rho_before=rho_at(0), rho=rho_at(k), steps=k)
+    (pos_before, neg_before), (pos, neg) = sums_at(0), sums_at(k)
+    return BapoBounds(
+        c_low=c_low,
+        c_high=c_high,
+        rho_before=rho_at(0),
+        rho=rho_at(k),
+        steps=k,
+        pos_before=pos_before,
+        neg_before=neg_before,
+        pos=pos,
+        neg=neg,
+    )
 
 
 def _check_same_shape(reference: str, tensors: dict[str, torch.Tensor | None]) -> None:

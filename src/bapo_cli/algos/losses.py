@@ -33,12 +33,20 @@ host sync), averaged over the valid tokens unless said otherwise:
     ppo_kl                        mean of log pi_rollout - log pi_theta
     ratio_mean, ratio_max         of r_t
     pos_mass, neg_mass            r |A| of the active positive / negative tokens, per valid token
+    active_tokens                 count of gradient-carrying tokens (0: the loss has no gradient)
     nonfinite_tokens              count of masked-out non-finite tokens
     c_low, c_high                 the bounds the loss clipped with (CPU tensors)
     rho                           positive share of the active mass, pos / (pos + neg) (1 if 0/0)
+    rho_pos, rho_neg              the sums rho is the share of, in the bound search's units
+                                  (sum of w r |A|, not per token): fixed bounds: pos_mass and
+                                  neg_mass times the valid tokens; BAPO: the search's P and N
     rho_before, search_steps      BAPO: rho at the search's start point and the steps it walked
                                   (with `rho`, c_low and c_high: Python floats from the search);
                                   fixed bounds: rho_before = rho, search_steps = 0
+    rho_pos_before, rho_neg_before  the sums rho_before is the share of (fixed: = rho_pos/neg)
+
+A trainer averages rho over micro-batches and updates by these sums, sum(pos) / sum(pos + neg),
+so a call without active mass (rho = 1 by convention) does not count as rho = 1.
 
 Each loss is registered with the dataclass of its parameters (`LossEntry`): fields with defaults
 and help, a `check()` and a `describe()`. The CLI builds the `algo` schema of each loss from it
@@ -366,24 +374,32 @@ def clipped_surrogate(
         n = tok.n_valid.clamp(min=1)
         mass = loss_tok.detach()  # -A r for active tokens: A > 0 gives -mass
         r_valid = torch.where(tok.valid, r, 0.0)
+        # r |A| summed over the active tokens, in float64 like the search's sums (w = 1)
+        pos_sum = -torch.where(active_pos, mass, 0.0).sum(dtype=torch.float64)
+        neg_sum = torch.where(active_neg, mass, 0.0).sum(dtype=torch.float64)
         metrics: dict[str, Any] = {
             "clipfrac_low": (tok.neg & (r <= lo)).sum() / n,
             "clipfrac_high": (tok.pos & (r >= hi)).sum() / n,
             "ppo_kl": -tok.log_ratio.sum() / n,  # mean of log pi_rollout - log pi_theta
             "ratio_mean": r_valid.sum() / n,
             "ratio_max": r_valid.max() if r.numel() else r.new_zeros(()),
-            "pos_mass": -torch.where(active_pos, mass, 0.0).sum() / n,
-            "neg_mass": torch.where(active_neg, mass, 0.0).sum() / n,
+            "pos_mass": (pos_sum / n).to(r.dtype),
+            "neg_mass": (neg_sum / n).to(r.dtype),
+            "active_tokens": active.sum(dtype=torch.float64),
             "nonfinite_tokens": tok.nonfinite,
         }
         # The bounds and the positive share at them: what BAPO's search reports, for any loss.
-        pos, total = metrics["pos_mass"], metrics["pos_mass"] + metrics["neg_mass"]
-        rho = torch.where(total > 0, pos / torch.where(total > 0, total, 1.0), 1.0)
+        total = pos_sum + neg_sum
+        rho = torch.where(total > 0, pos_sum / torch.where(total > 0, total, 1.0), 1.0)
         metrics.update(
             c_low=torch.tensor(float(c_low), dtype=torch.float64),
             c_high=torch.tensor(float(c_high), dtype=torch.float64),
             rho_before=rho,
             rho=rho,
+            rho_pos=pos_sum,
+            rho_neg=neg_sum,
+            rho_pos_before=pos_sum,
+            rho_neg_before=neg_sum,
             search_steps=torch.zeros((), dtype=torch.float64),
         )
     return loss, metrics
@@ -636,6 +652,10 @@ def bapo_loss(
         c_high=bounds.c_high,
         rho_before=bounds.rho_before,
         rho=bounds.rho,
+        rho_pos=bounds.pos,
+        rho_neg=bounds.neg,
+        rho_pos_before=bounds.pos_before,
+        rho_neg_before=bounds.neg_before,
         search_steps=float(bounds.steps),
     )
     return loss, metrics

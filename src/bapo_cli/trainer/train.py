@@ -34,6 +34,7 @@ from omegaconf import OmegaConf
 from rich.console import Console
 
 from bapo_cli.algos import advantages as adv_registry
+from bapo_cli.algos.bounds import rho_from_sums
 from bapo_cli.config.schema import TrainConfig
 from bapo_cli.evaluation import evaluate
 from bapo_cli.models import loading as models
@@ -51,7 +52,13 @@ from bapo_cli.trainer.policy import (
 )
 from bapo_cli.trainer.progress import TrainProgress, summary_table
 from bapo_cli.trainer.prompts import PromptStream
-from bapo_cli.trainer.update import LossSpec, loss_spec, optimizer_update, tis_weights
+from bapo_cli.trainer.update import (
+    RHO_SUMS,
+    LossSpec,
+    loss_spec,
+    optimizer_update,
+    tis_weights,
+)
 
 __all__ = ["PromptStream", "TrainResult", "TrainState", "TrainingError", "run_record", "train"]
 
@@ -521,8 +528,7 @@ def _optimize(run: Run, batch: list[Sample]) -> tuple[list[dict[str, float]], in
             ref_model=run.ref_model,
             dist_ctx=run.ctx,
         )
-        _count_update(run, result.skipped)
-        result.metrics["skipped"] = float(result.skipped)
+        _account_update(result, run.state, run.scheduler, run.cfg.trainer.max_skipped_steps)
         update_metrics.append(result.metrics)
         trained_tokens += result.tokens
     return update_metrics, trained_tokens
@@ -549,25 +555,6 @@ def _prepare(
         if key not in recomputed:
             recomputed[key] = _recompute(run.scorer, mb, cfg.rollout.temperature)
         mb.old_log_prob = recomputed[key]
-
-
-def _count_update(run: Run, skipped: bool) -> None:
-    """An applied update advances the policy version and the LR schedule; too many skipped in a
-    row (non-finite loss or gradient) stop the run."""
-    state, limit = run.state, run.cfg.trainer.max_skipped_steps
-    if not skipped:
-        state.skipped_in_a_row = 0
-        state.version += 1
-        run.scheduler.step()
-        return
-    state.skipped_in_a_row += 1
-    if state.skipped_in_a_row >= limit:
-        raise TrainingError(
-            f"{state.skipped_in_a_row} consecutive updates had a non-finite loss or "
-            f"gradient (trainer.max_skipped_steps={limit}); "
-            "stopped. Checkpoints in the run dir are from before the trouble: resume "
-            "from them with a lower trainer.lr"
-        )
 
 
 def _save(run: Run, tracker: Any) -> None:
@@ -609,6 +596,31 @@ def _recompute(model, mb: MicroBatch, temperature: float) -> torch.Tensor:
     return logp
 
 
+def _account_update(result, state: TrainState, scheduler, max_skipped: int) -> None:
+    """After one optimizer update: a new policy version and a scheduler step if the optimizer
+    stepped. A non-finite update counts toward `trainer.max_skipped_steps` in a row (then stop);
+    an update without gradient (`result.no_grad`: every token clipped or A = 0 on every rank)
+    is no fault: it neither counts nor breaks the streak, and is logged as actor/no_grad_updates.
+    """
+    if result.no_grad:
+        pass  # the weights did not move: same version, same learning-rate schedule position
+    elif result.skipped:
+        state.skipped_in_a_row += 1
+        if state.skipped_in_a_row >= max_skipped:
+            raise TrainingError(
+                f"{state.skipped_in_a_row} consecutive updates had a non-finite loss or "
+                f"gradient (trainer.max_skipped_steps={max_skipped}); "
+                "stopped. Checkpoints in the run dir are from before the trouble: resume "
+                "from them with a lower trainer.lr"
+            )
+    else:
+        state.skipped_in_a_row = 0
+        state.version += 1
+        scheduler.step()
+    result.metrics["skipped"] = float(result.skipped)
+    result.metrics["no_grad"] = float(result.no_grad)
+
+
 def _step_metrics(
     batch,
     adv_stats,
@@ -625,7 +637,11 @@ def _step_metrics(
 ) -> dict[str, float]:
     """The step's logged numbers. Every loss reports its bounds and the positive share of the
     active mass (`actor/c_low`, `actor/c_high`, `actor/rho`); a loss that searches its bounds
-    (`searched`, BAPO) also logs the search under `bapo/`."""
+    (`searched`, BAPO) also logs the search under `bapo/`.
+
+    rho and rho_before are weighted by mass over the step's updates, sum(pos) / sum(pos + neg):
+    an update without active mass (rho = 1 by convention) adds nothing, and
+    `actor/zero_mass_frac` says how many there were."""
     rewards = [s.reward for s in batch]
     lengths = [len(s.response_ids) for s in batch]
     out: dict[str, float] = {
@@ -637,6 +653,7 @@ def _step_metrics(
         "actor/lr": optimizer.param_groups[0]["lr"],
         "actor/updates": float(len(updates)),
         "actor/skipped_steps": sum(u["skipped"] for u in updates),
+        "actor/no_grad_updates": sum(u.get("no_grad", 0.0) for u in updates),
         "perf/step_s": step_s,
         "perf/rollout_s": rollout_s,
         "perf/rollout_tokens_per_s": new_tokens / max(rollout_s, 1e-9),
@@ -656,18 +673,25 @@ def _step_metrics(
         "nonfinite_tokens": "actor/nonfinite_tokens",
         "c_low": "actor/c_low",
         "c_high": "actor/c_high",
-        "rho": "actor/rho",
+        "zero_mass": "actor/zero_mass_frac",
         "staleness_mean": "staleness/mean",
     }
     if searched:
-        names.update(rho_before="bapo/rho_before", search_steps="bapo/search_steps")
+        names.update(search_steps="bapo/search_steps", search_moved="bapo/search_moved_frac")
     for key, name in names.items():
         values = [u[key] for u in updates if key in u]
         if values:
             out[name] = sum(values) / len(values)
+    rho_sums = [sum(u.get(k, 0.0) for u in updates) for k in RHO_SUMS]
+    if updates:
+        pos, neg, pos_before, neg_before = rho_sums
+        out["actor/rho"] = rho_from_sums(pos, neg)
+        if searched:
+            out["bapo/rho_before"] = rho_from_sums(pos_before, neg_before)
     if searched:
-        for key in ("c_low", "c_high", "rho"):
-            out[f"bapo/{key}"] = out[f"actor/{key}"]
+        for key in ("c_low", "c_high", "rho", "zero_mass_frac"):
+            if f"actor/{key}" in out:
+                out[f"bapo/{key}"] = out[f"actor/{key}"]
     out["staleness/max"] = max((u.get("staleness_max", 0.0) for u in updates), default=0.0)
     out["actor/ratio_max"] = max((u.get("ratio_max", 0.0) for u in updates), default=0.0)
     for key in updates[0] if updates else []:

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from bapo_cli.algos import diagnostics, losses
-from bapo_cli.algos.bounds import BapoBounds, BoundSearch
+from bapo_cli.algos.bounds import BapoBounds, BoundSearch, rho_from_sums
 from bapo_cli.trainer.distributed import DistContext
 from bapo_cli.trainer.policy import MicroBatch, token_logprobs
 
@@ -108,9 +108,21 @@ def _search_inputs(logp: Tensor, mb: MicroBatch, spec: LossSpec) -> dict[str, Te
 
 @dataclass
 class UpdateResult:
+    """One update's outcome. The optimizer stepped unless `skipped` (a non-finite loss or
+    gradient on some rank: a fault, counted toward trainer.max_skipped_steps) or `no_grad` (no
+    token carried gradient on any rank, e.g. every token clipped or every advantage 0: nothing
+    to learn, not a fault). Either way the weights, the optimizer state and the policy version
+    stay as they were: AdamW would move the weights on zero gradients (momentum, weight decay).
+    """
+
     metrics: dict[str, float]
     skipped: bool
     tokens: int
+    no_grad: bool = False
+
+
+# The sums rho and rho_before are the shares of (see `losses`), summed over micro-batches/ranks.
+RHO_SUMS = ("rho_pos", "rho_neg", "rho_pos_before", "rho_neg_before")
 
 
 def optimizer_update(
@@ -125,10 +137,13 @@ def optimizer_update(
     ref_model: torch.nn.Module | None = None,
     dist_ctx: DistContext | None = None,
 ) -> UpdateResult:
-    """Accumulate gradients over the micro-batches, clip, step. Skips a non-finite step.
+    """Accumulate gradients over the micro-batches, clip, step. Skips a non-finite step, and an
+    update in which no token of any rank carries gradient (see `UpdateResult`).
 
     `model` is the policy's `ResponseLogits` (wrapped in DDP under data parallelism: then the
-    normalisers and BAPO's search cover all ranks' tokens, see `bapo_cli.trainer.distributed`)."""
+    normalisers and BAPO's search cover all ranks' tokens, see `bapo_cli.trainer.distributed`).
+    rho and rho_before are the shares of the update's mass summed over its micro-batches and
+    ranks (the per-step search's sums as they are); `zero_mass` says that sum is 0."""
     ctx = dist_ctx or DistContext()
     tokens = sum(mb.num_tokens for mb in micro)
     seqs = sum(len(mb.samples) for mb in micro)
@@ -145,9 +160,9 @@ def optimizer_update(
     if per_step_search and len(micro) > 1:
         bounds = solve_bounds(model, micro, spec, temperature, ctx.group)
     weights: list[tuple[dict[str, Any], float]] = []
-    finite: Tensor | None = (
-        None  # on the device; read once after the loop (no per-micro-batch sync)
-    )
+    # [non-finite losses, active tokens, *RHO_SUMS] summed over the micro-batches on the device;
+    # read once after the loop (no per-micro-batch sync) and all-reduced in one call
+    tally: Tensor | None = None
     for i, mb in enumerate(micro):
         with ctx.no_sync(model, last=i == len(micro) - 1):
             logp, entropy = token_logprobs(model, mb, temperature, entropy=True)
@@ -174,8 +189,9 @@ def optimizer_update(
                 m["ref_kl"] = kl.detach() / max(mb.num_tokens, 1)
             # a non-finite loss back-propagates non-finite gradients: the step is skipped below
             # (every rank keeps going, so DDP ranks stay in step)
-            ok = torch.isfinite(loss.detach())
-            finite = ok if finite is None else finite & ok
+            row = [~torch.isfinite(loss.detach()), m["active_tokens"], *(m[k] for k in RHO_SUMS)]
+            row_t = torch.stack([_on_device(v, loss.device) for v in row])
+            tally = row_t if tally is None else tally + row_t
             loss.backward()
             c_low, c_high = float(m["c_low"]), float(m["c_high"])  # what the loss clipped with
             m["entropy"] = torch.where(mb.mask, entropy, 0.0).sum() / max(mb.num_tokens, 1)
@@ -193,15 +209,40 @@ def optimizer_update(
             m["staleness_sum"], m["staleness_max"] = stale.sum(), stale.max()
             weights.append((m, float(mb.num_tokens)))
     grad_norm = _grad_norm(model, grad_clip)
-    is_finite = finite is None or bool(finite)
-    (all_finite,) = ctx.max([0.0 if is_finite else 1.0])  # any rank non-finite → all skip
-    skipped = all_finite > 0 or not math.isfinite(grad_norm)
-    if not skipped:
+    local = tally.tolist() if tally is not None else [0.0] * (2 + len(RHO_SUMS))
+    if per_step_search and bounds is not None:  # already summed over all micro-batches and ranks
+        local[2:] = [0.0] * len(RHO_SUMS)
+    # one all-reduce: any rank non-finite → all skip; no active token on any rank → all skip
+    nonfinite, active, *rho_sums = ctx.sum(local)
+    if per_step_search and bounds is not None:
+        rho_sums = [bounds.pos, bounds.neg, bounds.pos_before, bounds.neg_before]
+    skipped = nonfinite > 0 or not math.isfinite(grad_norm)
+    kl_grad = spec.kl_coef > 0 and ref_model is not None and all_tokens > 0  # the KL term's
+    no_grad = not skipped and active == 0 and not kl_grad
+    if not (skipped or no_grad):
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     metrics = _combine(weights, tokens)
     metrics["grad_norm"] = grad_norm
-    return UpdateResult(metrics, skipped, tokens)
+    metrics.update(zip(RHO_SUMS, rho_sums, strict=True))
+    pos, neg, pos_before, neg_before = rho_sums
+    metrics["rho"], metrics["rho_before"] = (
+        rho_from_sums(pos, neg),
+        rho_from_sums(pos_before, neg_before),
+    )
+    metrics["zero_mass"] = float(pos + neg == 0)
+    metrics["search_moved"] = float(metrics.get("search_steps", 0.0) > 0)
+    metrics["active_tokens"] = active
+    metrics["no_grad"] = float(no_grad)
+    return UpdateResult(metrics, skipped, tokens, no_grad)
+
+
+def _on_device(value: Tensor | float, device: torch.device) -> Tensor:
+    """A 0-dim float64 tensor on `device`; a Python number (a search's sum) is filled in there
+    rather than copied from host memory, which would wait for the device queue."""
+    if isinstance(value, Tensor):
+        return value.detach().to(device=device, dtype=torch.float64)
+    return torch.full((), float(value), dtype=torch.float64, device=device)
 
 
 def _single_pass_bounds(
@@ -255,7 +296,7 @@ def _grad_norm(model: torch.nn.Module, grad_clip: float | None) -> float:
 
 
 MAX_KEYS = ("ratio_max", "staleness_max")
-SUM_KEYS = ("nonfinite_tokens", "staleness_sum")
+SUM_KEYS = ("nonfinite_tokens", "staleness_sum", "active_tokens", *RHO_SUMS)
 
 
 def _combine(weights: list[tuple[dict[str, Any], float]], tokens: int) -> dict[str, float]:
