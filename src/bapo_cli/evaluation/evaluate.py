@@ -32,7 +32,6 @@ from bapo_cli.evaluation import metrics as eval_metrics
 from bapo_cli.models import loading as models
 from bapo_cli.rewards import GradeReport, MathGrader, extract_answer, grade_batch
 from bapo_cli.rollout.base import Request, SamplingParams
-from bapo_cli.trainer.checkpoint import seed_everything
 
 
 class EvalTrackingError(RuntimeError):
@@ -172,7 +171,7 @@ def evaluate(cfg: Any, run_dir: Path, console: Console | None = None) -> dict[st
         max_tokens=cfg.eval.max_tokens,
         seed=cfg.eval.seed,
     )
-    seed_everything(cfg.eval.seed)
+    transformers.set_seed(cfg.eval.seed)  # python, numpy, torch (and CUDA) generators
     grader = MathGrader(timeout_s=cfg.reward.timeout_s, workers=cfg.reward.workers)
     try:
         result = evaluate_benchmark(
