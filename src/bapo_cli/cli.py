@@ -277,6 +277,11 @@ def report(
     facet: str | None = typer.Option(
         None, help="An override key (e.g. staleness): one column of plot panels per value."
     ),
+    baseline: str | None = typer.Option(
+        None,
+        help="An override (e.g. algo=grpo): compare every group with it (mean difference, "
+        "permutation p) in comparisons.md; per --facet value.",
+    ),
 ) -> None:
     """Compare runs: a table (markdown, CSV) and plots per metric, logged to the sweep's parent."""
     import time
@@ -297,7 +302,7 @@ def report(
             root = Path(_preflight("train", []).config.paths.output_root)
             stamp = time.strftime("%Y-%m-%d/%H-%M-%S")
             out = sweep / "report" if sweep is not None else root / "reports" / stamp
-        result = rep.write_report(runs, out, uri, facet)
+        result = rep.write_report(runs, out, uri, facet, baseline)
     except rep.ReportError as exc:
         raise _fail(str(exc)) from None
     Console().print(f"{len(result.runs)} runs compared")

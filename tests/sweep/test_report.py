@@ -111,3 +111,62 @@ def test_facet_makes_one_panel_column_per_value(tmp_path: Path) -> None:
     with Image.open(tmp_path / "r" / "reward.png") as image:  # two panels side by side
         assert image.width > 1.8 * image.height
     assert len([p for p in out.files if p.suffix == ".png"]) == 3
+
+
+# ------------------------------------------------------------- held-out outcome and significance
+
+
+def _study_run(overrides: str, held_out: tuple[float, float], rho: list[float]) -> report.RunData:
+    run = _run(overrides, [0.1] * len(rho))
+    steps = range(1, len(rho) + 1)
+    run.histories["actor/rho"] = list(zip(steps, rho, strict=True))
+    run.histories["val/pairs/avg_at_8"] = [(0, held_out[0]), (len(rho), held_out[1])]
+    return run
+
+
+def test_held_out_columns_read_the_validation_metric_and_start_rho_the_first_tenth() -> None:
+    run = _study_run("algo=grpo", (0.2, 0.35), [0.3] * 2 + [0.9] * 18)
+    report.label_runs([run])
+    assert run.values["held-out start"] == pytest.approx(0.2)
+    assert run.values["held-out final"] == pytest.approx(0.35)
+    assert run.values["start rho"] == pytest.approx(0.3)  # first 10% of 20 steps = 2 steps
+
+
+def test_permutation_p_is_exact_on_small_samples() -> None:
+    # 20 ways to split 6 values 3/3; only the observed split and its mirror are as extreme
+    assert report.permutation_p([1.0, 2.0, 3.0], [4.0, 5.0, 6.0]) == pytest.approx(2 / 20)
+    # identical groups: every split is at least as extreme as a zero difference
+    assert report.permutation_p([1.0, 1.0], [1.0, 1.0]) == 1.0
+    # 5 vs 5 perfectly separated: the smallest p a 5-seed study can reach
+    assert report.permutation_p([0.0] * 5, [1.0, 1.1, 1.2, 1.3, 1.4]) == pytest.approx(2 / 252)
+    # Monte-Carlo branch (C(40,20) splits): clearly separated samples give a tiny p
+    p = report.permutation_p([float(i) for i in range(20)], [100.0 + i for i in range(20)])
+    assert p == pytest.approx(1 / 20_001)
+    with pytest.raises(ValueError, match="at least one value"):
+        report.permutation_p([], [1.0])
+
+
+def test_comparisons_match_the_baseline_within_each_facet_value(tmp_path: Path) -> None:
+    runs = []
+    for arm, shift in (("reuse8", 0.1), ("lag8", 0.0)):
+        for seed in range(3):
+            runs.append(
+                _study_run(f"experiment={arm} algo=grpo trainer.seed={seed}", (0.2, 0.3), [0.3])
+            )
+            final = 0.3 + shift + 0.01 * seed
+            runs.append(
+                _study_run(f"experiment={arm} algo=bapo trainer.seed={seed}", (0.2, final), [0.3])
+            )
+    out = report.write_report(runs, tmp_path / "r", facet="experiment", baseline="algo=grpo")
+    assert "comparisons.md" in [p.name for p in out.files]
+    header, rows = report.comparisons_table(runs, "algo=grpo", "experiment")
+    assert header[:4] == ["experiment", "group", "vs", "seeds"]
+    assert [r[:4] for r in rows] == [
+        ["reuse8", "algo=bapo", "algo=grpo", "3 vs 3"],
+        ["lag8", "algo=bapo", "algo=grpo", "3 vs 3"],
+    ]
+    diff, p = header.index("held-out final diff"), header.index("held-out final p")
+    assert rows[0][diff] == "+0.110" and rows[0][p] == "0.100"  # separated: 2 of 20 splits
+    assert rows[1][diff] == "+0.010"
+    with pytest.raises(report.ReportError, match="--baseline algo=ppo: no group has it"):
+        report.comparisons_table(runs, "algo=ppo", "experiment")
