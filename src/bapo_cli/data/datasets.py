@@ -181,7 +181,10 @@ def build_prompt_set(cfg: Any) -> PromptSet:
             split=cfg.split,
             fields={"id": "id", "problem": cfg.prompt_field, "answer": cfg.answer_field},
         )
-        items = [Problem(r["id"], r["problem"], r["answer"]) for r in records.rows]
+        items = [
+            Problem(r["id"], r["problem"], r["answer"], record=original)
+            for r, original in zip(records.rows, records.originals, strict=True)
+        ]
         source, skipped = records.source, records.skipped
     render(cfg.template, "x")  # a broken template fails here, not at the first batch
     random.Random(cfg.seed).shuffle(items)

@@ -49,6 +49,8 @@ class Records:
     reasons: Counter[str] = field(default_factory=Counter)
     lines: dict[str, list[int]] = field(default_factory=dict)
     """Line numbers (1-based) of the skipped .jsonl lines, per reason."""
+    originals: list[dict[str, Any]] = field(default_factory=list)
+    """The source row of each usable row, as plain JSON data (reward=python's record)."""
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -192,6 +194,7 @@ def _select(raw: list[Any], fields: Mapping[str, str], source: str) -> Records:
     required = {name: column for name, column in fields.items() if name != ID_FIELD}
     id_column = fields.get(ID_FIELD)
     rows: list[dict[str, str]] = []
+    originals: list[dict[str, Any]] = []
     reasons: Counter[str] = Counter()
     lines: dict[str, list[int]] = {}
     for index, item in enumerate(raw):
@@ -215,6 +218,7 @@ def _select(raw: list[Any], fields: Mapping[str, str], source: str) -> Records:
         else:
             ident = _as_text(item.get(id_column)) if id_column else None
             rows.append({ID_FIELD: ident if ident is not None else str(index), **row})
+            originals.append(json_data(item))
     skipped = sum(reasons.values())
     looked_for = ", ".join(f"{name}={column!r}" for name, column in fields.items())
     if not rows:
@@ -230,7 +234,12 @@ def _select(raw: list[Any], fields: Mapping[str, str], source: str) -> Records:
             for reason, count in sorted(reasons.items())
         )
         log.warning("%s: skipped %d of %d rows (%s)", source, skipped, len(raw), detail)
-    return Records(rows=rows, skipped=skipped, source=source, reasons=reasons, lines=lines)
+    return Records(rows, skipped, source, reasons, lines, originals)
+
+
+def json_data(row: Mapping[str, Any]) -> dict[str, Any]:
+    """A source row as plain JSON data: dates, bytes and other objects become strings."""
+    return json.loads(json.dumps(dict(row), default=str))
 
 
 def _where(numbers: list[int] | None, shown: int = 5) -> str:
