@@ -261,6 +261,7 @@ class StalenessConfig:
 
 
 DATA_KINDS = ("arith", "pairs", "dataset")
+DATA_FORMATS = ("auto", "plain", "verl", "messages")  # bapo_cli.data.formats.FORMATS
 
 
 @dataclass
@@ -273,7 +274,14 @@ class DataConfig:
         "arith or pairs (synthetic, exactly checkable; pairs: wrong answers longer) or dataset",
     )
     hf_id: str | None = opt(None, "HF dataset id (kind=dataset)")
-    path: str | None = opt(None, "local jsonl/parquet; wins over hf_id")
+    path: str | None = opt(None, "local jsonl/json/parquet/csv; wins over hf_id (kind=dataset)")
+    format: str = opt(
+        "auto",
+        "row format (kind=dataset): plain (prompt_field/answer_field + template), verl (parquet: "
+        "prompt as chat messages, reward_model.ground_truth), messages (OpenAI-style 'messages' "
+        "list); auto: from the first row. Chat rows get the tokenizer's chat template "
+        "(docs/training.md)",
+    )
     split: str = opt("train", "dataset split")
     prompt_field: str = opt("problem", "field holding the question")
     answer_field: str = opt("answer", "field holding the reference answer")
@@ -286,8 +294,18 @@ class DataConfig:
 
     def check(self) -> None:
         _one_of("kind", self.kind, DATA_KINDS)
+        _one_of("format", self.format, DATA_FORMATS)
         if self.kind == "dataset" and not (self.hf_id or self.path):
             raise ConfigError("path", None, "kind=dataset needs data.path or data.hf_id")
+        if self.kind != "dataset":
+            for key in ("path", "hf_id"):
+                if getattr(self, key):
+                    raise ConfigError(
+                        key,
+                        getattr(self, key),
+                        f"read only by data.kind=dataset (kind={self.kind} makes its own "
+                        "prompts); add data.kind=dataset",
+                    )
         if "{problem}" not in self.template:
             raise ConfigError("template", self.template, "must contain {problem}")
         _positive("num_prompts", self.num_prompts)

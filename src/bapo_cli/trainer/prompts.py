@@ -40,8 +40,11 @@ class PromptStream:
         self.tokenizer = tokenizer
         prompt_set = build_prompt_set(cfg.data)
         limit = max(cfg.model.max_model_len - cfg.rollout.max_tokens, 1)
-        fmt = partial(models.format_prompt, tokenizer)
-        self.prompt_set, dropped = prompt_set.filter_long(tokenizer, limit, format=fmt)
+        self._format = partial(models.format_prompt, tokenizer)
+        self._format_messages = partial(models.format_messages, tokenizer)
+        self.prompt_set, dropped = prompt_set.filter_long(
+            tokenizer, limit, format=self._format, format_messages=self._format_messages
+        )
         self.skipped_rows, self.dropped_long = prompt_set.skipped, dropped
         if dropped or prompt_set.skipped:
             console.print(
@@ -75,7 +78,7 @@ class PromptStream:
         return out
 
     def encode(self, problem: Any) -> list[int]:
-        text = models.format_prompt(self.tokenizer, self.prompt_set.render(problem))
+        text = self.prompt_set.engine_text(problem, self._format, self._format_messages)
         return list(self.tokenizer(text)["input_ids"])
 
     def reward(self, text: str, problem: Any) -> float:
