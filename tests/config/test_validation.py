@@ -46,7 +46,11 @@ RULES = [
     (["rollout.tis_cap=0.5"], "rollout.tis_cap=0.5", ">= 1"),
     (["rollout.name=sglang"], "rollout.name=sglang", "auto, hf, vllm"),
     (["rollout.max_tokens=64"], "rollout.max_tokens=64", "< model.max_model_len=64"),
-    (["reward.name=python"], "reward.name=python", "must be one of math"),
+    (
+        ["reward.name=js"],
+        "reward.name=js",
+        "must be one of math, python",
+    ),
     (["reward.timeout_s=0"], "reward.timeout_s=0", "> 0"),
     (["reward.workers=0"], "reward.workers=0", "[1, 64]"),
     (["reward.step_budget_s=-1"], "reward.step_budget_s=-1", "> 0"),

@@ -231,7 +231,20 @@ def _compose_checked(config_name: str, overrides: list[str]) -> Any:
         line = step_memory_error(config, machine_memory_bytes())
         if line is not None:
             raise PreflightError(line)
+    reward = getattr(config, "reward", None)
+    if reward is not None and reward.name == "python":
+        check_reward_fn(reward.fn)
     return config
+
+
+def check_reward_fn(spec: str) -> None:
+    """reward=python: import reward.fn here, before any model loads, and check its arguments."""
+    from bapo_cli.rewards.plugin import RewardPluginError, check_spec
+
+    try:
+        check_spec(spec)
+    except RewardPluginError as exc:
+        raise PreflightError(f"reward.fn={spec}: {exc}") from None
 
 
 def preflight(config_name: str, overrides: list[str], *, multirun: bool = False) -> Preflight:

@@ -261,6 +261,7 @@ class StalenessConfig:
 
 
 DATA_KINDS = ("arith", "pairs", "dataset")
+DATA_FORMATS = ("auto", "plain", "verl", "messages")  # bapo_cli.data.formats.FORMATS
 
 
 @dataclass
@@ -273,7 +274,14 @@ class DataConfig:
         "arith or pairs (synthetic, exactly checkable; pairs: wrong answers longer) or dataset",
     )
     hf_id: str | None = opt(None, "HF dataset id (kind=dataset)")
-    path: str | None = opt(None, "local jsonl/parquet; wins over hf_id")
+    path: str | None = opt(None, "local jsonl/json/parquet/csv; wins over hf_id (kind=dataset)")
+    format: str = opt(
+        "auto",
+        "row format (kind=dataset): plain (prompt_field/answer_field + template), verl (parquet: "
+        "prompt as chat messages, reward_model.ground_truth), messages (OpenAI-style 'messages' "
+        "list); auto: from the first row. Chat rows get the tokenizer's chat template "
+        "(docs/training.md)",
+    )
     split: str = opt("train", "dataset split")
     prompt_field: str = opt("problem", "field holding the question")
     answer_field: str = opt("answer", "field holding the reference answer")
@@ -286,8 +294,18 @@ class DataConfig:
 
     def check(self) -> None:
         _one_of("kind", self.kind, DATA_KINDS)
+        _one_of("format", self.format, DATA_FORMATS)
         if self.kind == "dataset" and not (self.hf_id or self.path):
             raise ConfigError("path", None, "kind=dataset needs data.path or data.hf_id")
+        if self.kind != "dataset":
+            for key in ("path", "hf_id"):
+                if getattr(self, key):
+                    raise ConfigError(
+                        key,
+                        getattr(self, key),
+                        f"read only by data.kind=dataset (kind={self.kind} makes its own "
+                        "prompts); add data.kind=dataset",
+                    )
         if "{problem}" not in self.template:
             raise ConfigError("template", self.template, "must contain {problem}")
         _positive("num_prompts", self.num_prompts)
@@ -313,34 +331,46 @@ class BenchmarkConfig:
 
 # -------------------------------------------------------------------------------------- reward
 
-REWARD_GRADERS = ("math",)
+REWARD_GRADERS = ("math", "python")
+REWARD_FN_FORMS = "module:function or path/to/file.py:function"
 
 
 @dataclass
 class RewardConfig:
-    """How answers of math prompts and benchmarks are graded, and how long grading may take."""
+    """How answers are graded (math-verify, or the user's function), and how long it may take."""
 
     name: str = opt(
         "math",
-        "grader: math (last boxed answer vs the reference, math-verify in worker processes); "
-        "data=arith keeps its instant exact match",
+        "grader: math (last boxed answer vs the reference, math-verify in worker processes; "
+        "data=arith/pairs keep their instant exact match) or python (reward.fn)",
+    )
+    fn: str | None = opt(
+        None,
+        f"reward=python: the function, {REWARD_FN_FORMS}, called as fn(response, reference, "
+        "record) -> float or bool in worker processes (docs/rewards.md)",
     )
     timeout_s: float = opt(
         5.0,
-        "hard limit per answer compared by math-verify: past it the worker is killed and the "
-        "answer scores 0 (counted in reward/timeouts, eval's grade_timeouts)",
+        "hard limit per answer graded (math-verify, or one reward.fn call): past it the worker is "
+        "killed and the answer scores 0 (counted in reward/timeouts, eval's grade_timeouts)",
     )
     workers: int = opt(
-        4, "math-verify worker processes: a batch's slow answers are compared this many at once"
+        4, "grading worker processes: a batch's slow answers are graded this many at once"
     )
     step_budget_s: float | None = opt(
         60.0,
         "training: seconds of grading per step; once spent, the step's answers still waiting for "
-        "math-verify score 0 (counted in reward/over_budget); null = no limit. Not used by eval",
+        "a worker score 0 (counted in reward/over_budget); null = no limit. Not used by eval",
     )
 
     def check(self) -> None:
         _one_of("name", self.name, REWARD_GRADERS)
+        if self.name == "python":
+            target, colon, function = (self.fn or "").rpartition(":")
+            if not (colon and target and function):
+                raise ConfigError("fn", self.fn, f"reward=python needs reward.fn={REWARD_FN_FORMS}")
+        elif self.fn is not None:
+            raise ConfigError("fn", self.fn, "only reward=python calls a function; drop reward.fn")
         _positive("timeout_s", self.timeout_s)
         if not 1 <= self.workers <= MAX_GRADER_WORKERS:
             raise ConfigError("workers", self.workers, f"must be within [1, {MAX_GRADER_WORKERS}]")

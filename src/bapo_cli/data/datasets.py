@@ -2,7 +2,8 @@
 
     data=arith      ArithTask(data.seed).prompts(data.num_prompts), graded by exact match
     data=pairs      PairTask(data.seed).prompts(data.num_prompts), graded by `pairs_reward`
-    data=<preset>   rows of data.path (or data.hf_id), graded by bapo_cli.rewards.grade
+    data=<preset>   rows of data.path (or data.hf_id), graded by bapo_cli.rewards.grade; plain
+                    rows (a question through data.template) or chat messages (data.format)
 
 `build_prompt_set(cfg)` returns a `PromptSet`: the problems in a fixed order (shuffled by
 `data.seed`), the template that turns a question into prompt text, the reward function of the
@@ -18,6 +19,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from bapo_cli.data.formats import render_plain
 from bapo_cli.data.pairs import PAIRS_TEMPLATE, PairTask, named_pair, pairs_reward
 from bapo_cli.data.records import DataError, load_records
 from bapo_cli.data.tasks import ARITH_TEMPLATE, ArithTask, Problem, arith_reward, clean_response
@@ -79,8 +81,24 @@ class PromptSet:
         return len(self.items)
 
     def render(self, problem: Problem) -> str:
-        """The prompt text of one problem: the template with {problem} filled in."""
+        """The prompt text of one problem: the template with {problem} filled in (a chat-message
+        problem: its messages' contents, as without a chat template)."""
+        if problem.messages is not None:
+            return render_plain(problem.messages)
         return render(self.template, problem.question)
+
+    def engine_text(
+        self,
+        problem: Problem,
+        format: Callable[[str], str] | None = None,
+        format_messages: Callable[[Any], str] | None = None,
+    ) -> str:
+        """What the engine encodes: `format` (the chat template of one user turn) over the
+        rendered text, or for a chat-message problem `format_messages` over its messages."""
+        if problem.messages is not None and format_messages is not None:
+            return format_messages(problem.messages)
+        text = self.render(problem)
+        return format(text) if format is not None and problem.messages is None else text
 
     def texts(self) -> list[str]:
         return [self.render(p) for p in self.items]
@@ -113,16 +131,23 @@ class PromptSet:
             step += 1
 
     def filter_long(
-        self, tokenizer: Any, max_prompt_tokens: int, *, format: Callable[[str], str] | None = None
+        self,
+        tokenizer: Any,
+        max_prompt_tokens: int,
+        *,
+        format: Callable[[str], str] | None = None,
+        format_messages: Callable[[Any], str] | None = None,
     ) -> tuple[PromptSet, int]:
         """A copy without problems whose prompt exceeds `max_prompt_tokens`, and how many went.
 
-        `format` turns the rendered text into what the engine sees (e.g. the chat template:
-        `functools.partial(models.format_prompt, tokenizer)`).
+        `format` / `format_messages` turn a problem into what the engine sees (`engine_text`;
+        e.g. `functools.partial(models.format_prompt, tokenizer)`).
         """
-        fmt = format or (lambda text: text)
         kept, dropped = filter_long(
-            self.items, tokenizer, max_prompt_tokens, text=lambda p: fmt(self.render(p))
+            self.items,
+            tokenizer,
+            max_prompt_tokens,
+            text=lambda p: self.engine_text(p, format, format_messages),
         )
         if not kept:
             raise DataError(
@@ -180,8 +205,12 @@ def build_prompt_set(cfg: Any) -> PromptSet:
             hf_id=cfg.hf_id,
             split=cfg.split,
             fields={"id": "id", "problem": cfg.prompt_field, "answer": cfg.answer_field},
+            format=cfg.format,
         )
-        items = [Problem(r["id"], r["problem"], r["answer"]) for r in records.rows]
+        items = [
+            Problem(r["id"], r["problem"], r["answer"], record=original, messages=r.get("messages"))
+            for r, original in zip(records.rows, records.originals, strict=True)
+        ]
         source, skipped = records.source, records.skipped
     render(cfg.template, "x")  # a broken template fails here, not at the first batch
     random.Random(cfg.seed).shuffle(items)

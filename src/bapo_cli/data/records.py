@@ -15,6 +15,10 @@ line naming the source and the fields looked for.
 
 The canonical field `id` is optional: when it is not configured, or a row lacks it, the row's
 index in the source (0-based) is its id.
+
+`format` picks how a row is read (`formats`): plain fields as above, or a chat prompt -- verl's
+parquet rows or OpenAI-style `messages` -- whose row gets `messages` (a tuple of {role, content})
+next to `problem` (its last user message) and `answer`. `auto` looks at the first row.
 """
 
 from __future__ import annotations
@@ -28,6 +32,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from bapo_cli.data import formats
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +54,11 @@ class Records:
     source: str
     reasons: Counter[str] = field(default_factory=Counter)
     lines: dict[str, list[int]] = field(default_factory=dict)
-    """Line numbers (1-based) of the skipped .jsonl lines, per reason."""
+    """Where the skipped rows were, per reason: 1-based .jsonl line numbers, else row numbers."""
+    originals: list[dict[str, Any]] = field(default_factory=list)
+    """The source row of each usable row, as plain JSON data (reward=python's record)."""
+    format: str = "plain"
+    """How the rows were read: plain, verl or messages (`formats`)."""
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -61,21 +71,30 @@ def load_records(
     split: str,
     fields: Mapping[str, str],
     config_name: str | None = None,
+    format: str = "plain",
 ) -> Records:
     """Read rows from `path` (wins) or the HF dataset `hf_id` and keep those with every field.
 
     `fields` maps canonical names to column names, e.g.
-    {"id": "unique_id", "problem": "problem", "answer": "answer"}; every field but `id` is required.
+    {"id": "unique_id", "problem": "problem", "answer": "answer"}; every field but `id` is required
+    in the plain format (verl / messages rows use `answer` as the messages format's answer column).
     """
+    if format not in formats.FORMATS:
+        raise DataError(f"data.format={format}: must be one of {', '.join(formats.FORMATS)}")
+    unit = "row"
     if path is not None and str(path):
         source = str(path)
-        raw = _read_file(Path(path).expanduser(), split)
+        file = Path(path).expanduser()
+        raw = _read_file(file, split)
+        unit = "line" if file.suffix.lower() == ".jsonl" else "row"
     elif hf_id:
         source = f"{hf_id} (split {split})"
         raw = _read_hub(hf_id, split, config_name)
     else:
         raise DataError("no data source: set a local path or a HF dataset id")
-    return _select(raw, fields, source)
+    if format == "auto":
+        format = formats.detect([r.row if isinstance(r, _Line) else r for r in raw])
+    return _select(raw, fields, source, format, unit)
 
 
 # ------------------------------------------------------------------------------------- sources
@@ -87,6 +106,14 @@ class _BadLine:
 
     number: int
     reason: str
+
+
+@dataclass(frozen=True)
+class _Line:
+    """A .jsonl row with its 1-based line number (blank lines do not count as rows)."""
+
+    number: int
+    row: Any
 
 
 def _read_file(path: Path, split: str) -> list[Any]:
@@ -132,7 +159,11 @@ def _jsonl_rows(path: Path) -> Iterable[Any]:
             except json.JSONDecodeError:
                 yield _BadLine(number, "unparsable row")
                 continue
-            yield row if isinstance(row, Mapping) else _BadLine(number, "unparsable row")
+            yield (
+                _Line(number, row)
+                if isinstance(row, Mapping)
+                else _BadLine(number, "unparsable row")
+            )
 
 
 def _json_rows(path: Path, split: str) -> list[Any]:
@@ -188,61 +219,112 @@ def _as_text(value: Any) -> str | None:
     return None
 
 
-def _select(raw: list[Any], fields: Mapping[str, str], source: str) -> Records:
+def _select(
+    raw: list[Any], fields: Mapping[str, str], source: str, fmt: str = "plain", unit: str = "row"
+) -> Records:
     required = {name: column for name, column in fields.items() if name != ID_FIELD}
     id_column = fields.get(ID_FIELD)
-    rows: list[dict[str, str]] = []
+    rows: list[dict[str, Any]] = []
+    originals: list[dict[str, Any]] = []
     reasons: Counter[str] = Counter()
     lines: dict[str, list[int]] = {}
+
+    def skip(reason: str, number: int) -> None:
+        reasons[reason] += 1
+        lines.setdefault(reason, []).append(number)
+
     for index, item in enumerate(raw):
+        number = index + 1
+        if isinstance(item, _Line):
+            number, item = item.number, item.row
         if isinstance(item, _BadLine):
-            reasons[item.reason] += 1
-            lines.setdefault(item.reason, []).append(item.number)
+            skip(item.reason, item.number)
             continue
         if not isinstance(item, Mapping):
-            reasons["unparsable row"] += 1
+            skip("unparsable row", number)
             continue
-        row: dict[str, str] = {}
-        for name, column in required.items():
-            if column not in item:
-                reasons[f"missing {column!r}"] += 1
-                break
-            text = _as_text(item[column])
-            if text is None:
-                reasons[f"unusable {column!r}"] += 1
-                break
-            row[name] = text
-        else:
-            ident = _as_text(item.get(id_column)) if id_column else None
-            rows.append({ID_FIELD: ident if ident is not None else str(index), **row})
+        try:
+            row = _plain_row(item, required) if fmt == "plain" else _chat_row(item, fmt, required)
+        except formats.RowError as err:
+            skip(str(err), number)
+            continue
+        ident = _as_text(item.get(id_column)) if id_column else None
+        if ident is None and fmt == "verl":  # verl keeps the source's index in extra_info
+            extra = item.get("extra_info")
+            ident = _as_text(extra.get("index")) if isinstance(extra, Mapping) else None
+        rows.append({ID_FIELD: ident if ident is not None else str(index), **row})
+        originals.append(json_data(item))
     skipped = sum(reasons.values())
-    looked_for = ", ".join(f"{name}={column!r}" for name, column in fields.items())
+    looked_for = (
+        ", ".join(f"{name}={column!r}" for name, column in fields.items())
+        if fmt == "plain"
+        else f"{fmt} format: {_CHAT_NEEDS[fmt]}"
+    )
     if not rows:
         found = _columns_seen(raw)
+        common = reasons.most_common(1)
         raise DataError(
             f"{source}: no usable rows among {len(raw)} (looked for {looked_for}"
             + (f"; columns found: {', '.join(found)}" if found else "")
+            + (f"; most rows: {common[0][0]}" if common and fmt != "plain" else "")
             + ")"
         )
     if skipped:
         detail = ", ".join(
-            f"{reason}: {count}{_where(lines.get(reason))}"
+            f"{reason}: {count}{_where(lines.get(reason), unit)}"
             for reason, count in sorted(reasons.items())
         )
-        log.warning("%s: skipped %d of %d rows (%s)", source, skipped, len(raw), detail)
-    return Records(rows=rows, skipped=skipped, source=source, reasons=reasons, lines=lines)
+        log.warning(
+            "%s: skipped %d of %d rows (%s%s)",
+            source,
+            skipped,
+            len(raw),
+            detail,
+            "" if fmt == "plain" else f"; {fmt} format: {_CHAT_NEEDS[fmt]}",
+        )
+    return Records(rows, skipped, source, reasons, lines, originals, fmt)
 
 
-def _where(numbers: list[int] | None, shown: int = 5) -> str:
-    """` (line 3)`, ` (lines 3, 8, ...)` or nothing."""
+_CHAT_NEEDS = {
+    "verl": f"'prompt' as {formats.MESSAGE_SHAPE} and 'reward_model.ground_truth'",
+    "messages": f"'messages' as {formats.MESSAGE_SHAPE} and a reference",
+}
+
+
+def _plain_row(item: Mapping[str, Any], required: Mapping[str, str]) -> dict[str, str]:
+    row: dict[str, str] = {}
+    for name, column in required.items():
+        if column not in item:
+            raise formats.RowError(f"missing {column!r}")
+        text = _as_text(item[column])
+        if text is None:
+            raise formats.RowError(f"unusable {column!r}")
+        row[name] = text
+    return row
+
+
+def _chat_row(item: Mapping[str, Any], fmt: str, required: Mapping[str, str]) -> dict[str, Any]:
+    if fmt == "verl":
+        messages, answer = formats.verl_row(item)
+    else:
+        messages, answer = formats.messages_row(item, required.get("answer", "answer"))
+    text = _as_text(answer)
+    if text is None:
+        raise formats.RowError(f"unusable reference {answer!r:.40} ({fmt} format)")
+    return {"problem": formats.question_of(messages), "answer": text, "messages": messages}
+
+
+def _where(numbers: list[int] | None, unit: str = "line", shown: int = 5) -> str:
+    """` (line 3)`, ` (rows 3, 8, ...)` or nothing."""
     if not numbers:
         return ""
     listed = ", ".join(map(str, numbers[:shown])) + (", ..." if len(numbers) > shown else "")
-    return f" (line{'s' if len(numbers) > 1 else ''} {listed})"
+    return f" ({unit}{'s' if len(numbers) > 1 else ''} {listed})"
 
 
 def _columns_seen(raw: list[Any]) -> list[str]:
     for item in raw:
+        item = item.row if isinstance(item, _Line) else item
         if isinstance(item, Mapping):
             return [str(k) for k in item]
     return []
@@ -251,3 +333,8 @@ def _columns_seen(raw: list[Any]) -> list[str]:
 def _first_line(err: BaseException) -> str:
     text = str(err).strip()
     return text.splitlines()[0] if text else type(err).__name__
+
+
+def json_data(row: Mapping[str, Any]) -> dict[str, Any]:
+    """A source row as plain JSON data: dates, bytes and other objects become strings."""
+    return json.loads(json.dumps(dict(row), default=str))

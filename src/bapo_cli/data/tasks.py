@@ -23,7 +23,8 @@ from __future__ import annotations
 import hashlib
 import random
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 ARITH_TEMPLATE = "{problem}="
 """Prompt format the tiny model is warmed up on (`data=arith` sets `data.template` to it)."""
@@ -41,6 +42,17 @@ class Problem:
     answer: str
     kind: str = ""
     """Task kind (e.g. `add2` for arith), empty for dataset rows; for per-kind metrics."""
+    record: dict[str, Any] | None = field(default=None, compare=False)
+    """The source row (JSON data) a dataset problem came from: reward=python's third argument."""
+    messages: tuple[dict[str, str], ...] | None = field(default=None, compare=False)
+    """A chat-message prompt (verl / messages data): rendered by the chat template, not by
+    data.template."""
+
+    def as_record(self) -> dict[str, Any]:
+        """What reward=python gets as the record: the source row, else this problem's fields."""
+        if self.record is not None:
+            return self.record
+        return {"id": self.id, "problem": self.question, "answer": self.answer, "kind": self.kind}
 
 
 def _kinds() -> dict[str, Callable[[], Iterable[tuple[int, str, int]]]]:

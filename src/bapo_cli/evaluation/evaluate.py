@@ -4,8 +4,9 @@
         → grade (math-verify, time-limited) → summarize → results.json, samples.jsonl, MLflow
 
 The metrics are pure functions in `eval_metrics`, the grading is `rewards.MathGrader.grade_batch`
-(`reward.timeout_s` per answer, `reward.workers` in parallel); this module only moves data between
-them. Each entry also says what grading cost: `grade_timeouts` (answers scored 0 because math-verify
+(`reward.timeout_s` per answer, `reward.workers` in parallel), or with reward=python the user's
+function (a response is correct when it scores > 0); this module only moves data between them.
+Each entry also says what grading cost: `grade_timeouts` (answers scored 0 because math-verify
 ran out of time) and `grade_s` (seconds spent grading). `evaluate_benchmark` is also what the
 trainer calls for validation (`trainer.val_every`), on its own engine and weights.
 
@@ -76,8 +77,9 @@ def load_problems(bench: Any, limit: int | None = None) -> tuple[list[Problem], 
         config_name=bench.hf_config,
         fields={"id": bench.id_field, "problem": bench.problem_field, "answer": bench.answer_field},
     )
-    rows = records.rows[:limit] if limit is not None else records.rows
-    return [Problem(str(r["id"]), r["problem"], r["answer"]) for r in rows], records.skipped
+    pairs = list(zip(records.rows, records.originals, strict=True))[:limit]
+    problems = [Problem(str(r["id"]), r["problem"], r["answer"], record=o) for r, o in pairs]
+    return problems, records.skipped
 
 
 def evaluate_benchmark(
@@ -129,6 +131,9 @@ def evaluate_benchmark(
     extracted = [answers[i * n : (i + 1) * n] for i in range(len(problems))]
     metrics = eval_metrics.summarize(correct, extracted, n)
     metrics["grade_timeouts"] = report.timeouts
+    if report.scores is not None:  # reward=python: correct = score > 0; its mean and failures
+        metrics["reward_mean"] = sum(report.scores) / max(len(report.scores), 1)
+        metrics["grade_errors"] = report.errors
     metrics["grade_s"] = round(grade_s, 3)
     samples = [
         {
@@ -138,6 +143,7 @@ def evaluate_benchmark(
             "extracted": answers[i],
             "reference": references[i],
             "correct": bool(verdicts[i]),
+            **({"reward": report.scores[i]} if report.scores is not None else {}),
         }
         for i in range(len(texts))
     ]
@@ -172,7 +178,7 @@ def evaluate(cfg: Any, run_dir: Path, console: Console | None = None) -> dict[st
         seed=cfg.eval.seed,
     )
     transformers.set_seed(cfg.eval.seed)  # python, numpy, torch (and CUDA) generators
-    grader = MathGrader(timeout_s=cfg.reward.timeout_s, workers=cfg.reward.workers)
+    grader, grade = _eval_grader(cfg, problems)
     try:
         result = evaluate_benchmark(
             cfg.benchmark.name,
@@ -183,7 +189,7 @@ def evaluate(cfg: Any, run_dir: Path, console: Console | None = None) -> dict[st
             n=cfg.eval.n,
             params=params,
             max_model_len=cfg.model.max_model_len,
-            grader=grader.grade_batch,
+            grader=grade,
         )
     finally:
         grader.close()
@@ -216,6 +222,23 @@ def evaluate(cfg: Any, run_dir: Path, console: Console | None = None) -> dict[st
     return results
 
 
+def _eval_grader(cfg: Any, problems: list[Problem]) -> tuple[Any, Callable[..., GradeReport]]:
+    """(grader to close, grading function) of `bapo eval`: math-verify, or with reward=python
+    the user's function, each response with its problem's row as the record."""
+    if cfg.reward.name != "python":
+        grader = MathGrader(timeout_s=cfg.reward.timeout_s, workers=cfg.reward.workers)
+        return grader, grader.grade_batch
+    from bapo_cli.rewards.plugin import PythonReward
+
+    plugin = PythonReward(cfg.reward.fn, timeout_s=cfg.reward.timeout_s, workers=cfg.reward.workers)
+    records = [p.as_record() for p in problems for _ in range(cfg.eval.n)]
+
+    def grade(texts: list[str], references: list[str]) -> GradeReport:
+        return plugin.grade_batch(texts, references, records)
+
+    return plugin, grade
+
+
 def metric_keys(prefix: str, name: str, metrics: dict[str, float | int]) -> dict[str, float]:
     """`{"avg@16": x}` → `{"eval/aime24/avg_at_16": x}`: MLflow refuses '@' in metric names, so
     the keys spell it `_at_` (results.json keeps the '@' form)."""
@@ -229,6 +252,9 @@ def results_table(name: str, result: BenchmarkResult, skipped: int = 0) -> Table
     for key, value in result.metrics.items():
         if key.endswith("_s"):
             table.add_row(key.removesuffix("_s") + " (s)", f"{value:.1f}")
+            continue
+        if key == "reward_mean":  # reward=python: the function's own scale, not a fraction
+            table.add_row(key, f"{value:.3f}")
             continue
         shown = f"{100 * value:.1f}" if isinstance(value, float) else str(value)
         table.add_row(key + (" (%)" if isinstance(value, float) else ""), shown)

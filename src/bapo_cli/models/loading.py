@@ -141,9 +141,22 @@ def format_prompt(tokenizer: Any, text: str) -> str:
     removed when the tokenizer adds BOS itself, so encoding with special tokens gives one BOS."""
     if not getattr(tokenizer, "chat_template", None):
         return text
-    rendered = tokenizer.apply_chat_template(
-        [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True
-    )
+    return _chat(tokenizer, [{"role": "user", "content": text}])
+
+
+def format_messages(tokenizer: Any, messages: Any) -> str:
+    """The prompt text of a chat-message prompt (verl / messages data): the chat template with
+    the generation prompt added; a tokenizer without one (the tiny model's) gets the contents
+    joined by newlines (`data.formats.render_plain`)."""
+    if not getattr(tokenizer, "chat_template", None):
+        from bapo_cli.data.formats import render_plain
+
+        return render_plain(messages)
+    return _chat(tokenizer, [dict(m) for m in messages])
+
+
+def _chat(tokenizer: Any, messages: list[dict[str, str]]) -> str:
+    rendered = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     bos = tokenizer.bos_token
     if bos and rendered.startswith(bos) and _adds_bos(tokenizer):
         rendered = rendered[len(bos) :]

@@ -7,6 +7,7 @@ gets what is left of ``budget_s`` (passed on as the grading function's ``budget_
 returns the step's counts as metrics and opens the next step with the full budget:
 
     reward/timeouts     responses whose comparison ran out of the per-answer limit (scored 0)
+    reward/errors       reward=python: responses whose reward function failed (scored 0)
     reward/over_budget  responses scored 0 unread (or cut) because the step's budget was spent
     perf/grade_s        seconds spent grading this step (wall time of the grading calls)
 """
@@ -14,14 +15,16 @@ returns the step's counts as metrics and opens the next step with the full budge
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 from bapo_cli.rewards.math_grader import GradeReport
 
 __all__ = ["BatchGrade", "StepGrader"]
 
 BatchGrade = Callable[..., GradeReport]
-"""``grade(responses, references, *, budget_s)`` -> GradeReport, e.g. `MathGrader.grade_batch`."""
+"""``grade(responses, references, *, budget_s)`` -> GradeReport, e.g. `MathGrader.grade_batch`
+(`PythonReward.grade_batch` also takes records: ``grade(responses, references, records, ...)``)."""
 
 
 class StepGrader:
@@ -36,26 +39,36 @@ class StepGrader:
         self._spent = 0.0
         self._timeouts = 0
         self._over_budget = 0
+        self._errors = 0
 
-    def grade(self, responses: Sequence[str], references: Sequence[str]) -> list[bool]:
-        """Verdicts of one batch, graded within what is left of this step's budget."""
+    def grade(
+        self,
+        responses: Sequence[str],
+        references: Sequence[str],
+        records: Sequence[Mapping[str, Any]] | None = None,
+    ) -> list[float]:
+        """Rewards of one batch, graded within what is left of this step's budget (``records``
+        go to graders that take them: reward=python)."""
         left = None if self.budget_s is None else max(self.budget_s - self._spent, 0.0)
         t0 = time.perf_counter()
+        extra = () if records is None else (records,)
         try:
-            report = self._grade(responses, references, budget_s=left)
+            report = self._grade(responses, references, *extra, budget_s=left)
         finally:
             self._spent += time.perf_counter() - t0
         self._timeouts += report.timeouts
         self._over_budget += report.over_budget
-        return report.verdicts
+        self._errors += report.errors
+        return report.rewards()
 
     def take(self) -> dict[str, float]:
-        """This step's ``reward/timeouts``, ``reward/over_budget``, ``perf/grade_s``; then a
-        new step begins with the full budget."""
+        """This step's ``reward/timeouts``, ``reward/over_budget``, ``reward/errors``,
+        ``perf/grade_s``; then a new step begins with the full budget."""
         out = {
             "reward/timeouts": float(self._timeouts),
             "reward/over_budget": float(self._over_budget),
+            "reward/errors": float(self._errors),
             "perf/grade_s": self._spent,
         }
-        self._spent, self._timeouts, self._over_budget = 0.0, 0, 0
+        self._spent, self._timeouts, self._over_budget, self._errors = 0.0, 0, 0, 0
         return out

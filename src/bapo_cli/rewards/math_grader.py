@@ -139,6 +139,14 @@ class GradeReport:
     """Compared by math-verify until ``timeout_s`` ran out: scored False."""
     over_budget: int = 0
     """Not compared, or cut short, because the batch's ``budget_s`` was spent: scored False."""
+    errors: int = 0
+    """reward=python: the function raised, returned a non-number or its process died: scored 0."""
+    scores: list[float] | None = None
+    """reward=python: the rewards themselves (None: each verdict is the reward, 1.0 or 0.0)."""
+
+    def rewards(self) -> list[float]:
+        """The reward of each response: ``scores``, or the verdicts as 1.0 / 0.0."""
+        return list(self.scores) if self.scores is not None else [float(v) for v in self.verdicts]
 
 
 class MathGrader:

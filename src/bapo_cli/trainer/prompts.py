@@ -14,6 +14,7 @@ from rich.console import Console
 from bapo_cli.config.schema import TrainConfig
 from bapo_cli.models import loading as models
 from bapo_cli.rewards import GradeReport, MathGrader, StepGrader
+from bapo_cli.rewards.plugin import PythonReward
 
 
 class PromptStream:
@@ -39,8 +40,11 @@ class PromptStream:
         self.tokenizer = tokenizer
         prompt_set = build_prompt_set(cfg.data)
         limit = max(cfg.model.max_model_len - cfg.rollout.max_tokens, 1)
-        fmt = partial(models.format_prompt, tokenizer)
-        self.prompt_set, dropped = prompt_set.filter_long(tokenizer, limit, format=fmt)
+        self._format = partial(models.format_prompt, tokenizer)
+        self._format_messages = partial(models.format_messages, tokenizer)
+        self.prompt_set, dropped = prompt_set.filter_long(
+            tokenizer, limit, format=self._format, format_messages=self._format_messages
+        )
         self.skipped_rows, self.dropped_long = prompt_set.skipped, dropped
         if dropped or prompt_set.skipped:
             console.print(
@@ -52,7 +56,14 @@ class PromptStream:
         # math grading (data.kind=dataset, and validation on math benchmarks) under reward.*;
         # worker processes start on first need, so an arith run never starts one
         self.math = MathGrader(timeout_s=cfg.reward.timeout_s, workers=cfg.reward.workers)
-        if cfg.data.kind == "dataset":
+        # reward=python replaces the data kind's grading, whatever the kind (docs/rewards.md)
+        self.plugin: PythonReward | None = None
+        if cfg.reward.name == "python":
+            self.plugin = PythonReward(
+                cfg.reward.fn, timeout_s=cfg.reward.timeout_s, workers=cfg.reward.workers
+            )
+            grade = self.plugin.grade_batch
+        elif cfg.data.kind == "dataset":
             grade = self.math.grade_batch
         else:
             grade = partial(_exact_batch, self.prompt_set.reward_fn)
@@ -67,7 +78,7 @@ class PromptStream:
         return out
 
     def encode(self, problem: Any) -> list[int]:
-        text = models.format_prompt(self.tokenizer, self.prompt_set.render(problem))
+        text = self.prompt_set.engine_text(problem, self._format, self._format_messages)
         return list(self.tokenizer(text)["input_ids"])
 
     def reward(self, text: str, problem: Any) -> float:
@@ -75,16 +86,21 @@ class PromptStream:
 
     def reward_many(self, texts: list[str], problems: list[Any]) -> list[float]:
         """Rewards of finished samples, graded together within the step's grading budget."""
-        verdicts = self.grading.grade(texts, [p.answer for p in problems])
-        return [float(v) for v in verdicts]
+        answers = [p.answer for p in problems]
+        if self.plugin is not None:
+            return self.grading.grade(texts, answers, [p.as_record() for p in problems])
+        return self.grading.grade(texts, answers)
 
     def take_grading(self) -> dict[str, float]:
-        """The step's reward/timeouts, reward/over_budget and perf/grade_s; resets the budget."""
+        """The step's reward/timeouts, reward/over_budget, reward/errors and perf/grade_s; resets
+        the budget."""
         return self.grading.take()
 
     def close(self) -> None:
-        """Stop the math-verify worker processes."""
+        """Stop the grading worker processes (math-verify, reward=python)."""
         self.math.close()
+        if self.plugin is not None:
+            self.plugin.close()
 
     def state_dict(self) -> dict[str, int]:
         return {"position": self.position}
