@@ -181,7 +181,9 @@ def test_the_toy_leaves_no_schema_behind(toy) -> None:
     losses.REGISTRY.remove("toy")
     schema.register()
     options = [job[0] for job in hydra_runner.expand_sweep(["algo=glob(_*)"])]
-    assert options == ["algo=_bapo_schema", "algo=_clip_higher_schema", "algo=_ppo_schema"]
+    assert options == [
+        f"algo=_{loss}_schema" for loss in ["bapo", "cispo", "clip_higher", "gspo", "ppo", "sapo"]
+    ]
     losses.REGISTRY.register("toy", params=ToyParams)(toy_loss)  # for the fixture's teardown
 
 

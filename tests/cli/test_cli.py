@@ -55,9 +55,9 @@ def test_config_docs_show_each_losss_options_with_their_presets() -> None:
     result = runner.invoke(app, ["config", "--docs"], env={"COLUMNS": "250"})
     assert result.exit_code == 0, result.output
     # brackets are text, not rich markup: the preset tags and the range notation survive
-    assert "[bapo] target share of positive-advantage tokens" in result.output
-    assert "[bapo] [a-, b-]: where c_low may move" in result.output
-    assert "[grpo, ppo] clip range" in result.output
+    assert "[bapo, bapo_recipe] target share of positive-advantage tokens" in result.output
+    assert "[bapo, bapo_recipe] [a-, b-]: where c_low may move" in result.output
+    assert "[drgrpo, grpo, ppo] clip range" in result.output
     assert "list[float]" in result.output
 
 

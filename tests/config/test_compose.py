@@ -71,6 +71,12 @@ def test_algo_presets_map_to_losses_and_advantages() -> None:
         "grpo": ("ppo", "grpo"),
         "clip_higher": ("clip_higher", "grpo"),
         "bapo": ("bapo", "grpo"),
+        "bapo_recipe": ("bapo", "grpo"),
+        "drgrpo": ("ppo", "drgrpo"),
+        "dapo": ("clip_higher", "grpo"),
+        "gspo": ("gspo", "grpo"),
+        "cispo": ("cispo", "grpo"),
+        "sapo": ("sapo", "grpo"),
     }
     clip_higher = preflight("train", ["algo=clip_higher"]).config.algo
     assert (clip_higher.eps_low, clip_higher.eps_high) == (0.2, 0.28)

@@ -25,25 +25,40 @@ def _configs(jobs: list[list[str]]) -> list:
     return [to_validated(hydra_runner.compose("train", job)) for job in jobs]
 
 
-def test_algo_glob_is_the_four_algos_in_hydras_order() -> None:
+ALGOS = ["bapo", "bapo_recipe", "cispo", "clip_higher", "dapo", "drgrpo", "grpo", "gspo", "ppo"]
+ALGOS.append("sapo")
+
+
+def test_algo_glob_is_every_algo_in_hydras_order() -> None:
     checked = _sweep("algo=glob(*)")
-    assert checked.num_jobs == 4
-    assert "algo=bapo,clip_higher,grpo,ppo" in checked.overrides  # what Hydra is handed
-    assert _values(checked.jobs, "algo") == ["bapo", "clip_higher", "grpo", "ppo"]
+    assert checked.num_jobs == 10
+    assert "algo=" + ",".join(ALGOS) in checked.overrides  # what Hydra is handed
+    assert _values(checked.jobs, "algo") == ALGOS
     configs = _configs(checked.jobs)
-    assert [c.algo.name for c in configs] == ["bapo", "clip_higher", "grpo", "ppo"]
-    assert [c.algo.loss for c in configs] == ["bapo", "clip_higher", "ppo", "ppo"]
+    assert [c.algo.name for c in configs] == ALGOS
+    assert [c.algo.loss for c in configs] == [
+        "bapo",
+        "bapo",
+        "cispo",
+        "clip_higher",
+        "clip_higher",
+        "ppo",
+        "ppo",
+        "gspo",
+        "ppo",
+        "sapo",
+    ]
     assert checked.config.algo.name == "bapo"  # the first job's validated config
 
 
 @pytest.mark.parametrize(
     ("glob", "expected"),
     [
-        ("glob(*,exclude=ppo)", ["bapo", "clip_higher", "grpo"]),
-        ("glob(*,exclude=[ppo,grpo])", ["bapo", "clip_higher"]),
+        ("glob(*,exclude=*po)", ["bapo_recipe", "clip_higher"]),
+        ("glob(*,exclude=[*_*,*s*])", ["bapo", "dapo", "drgrpo", "grpo", "ppo"]),
         ("glob([bapo,grpo])", ["bapo", "grpo"]),
-        ("glob(include=c*)", ["clip_higher"]),
-        ("glob(*p*,exclude=bapo)", ["clip_higher", "grpo", "ppo"]),
+        ("glob(include=c*)", ["cispo", "clip_higher"]),
+        ("glob(*r*,exclude=bapo*)", ["clip_higher", "drgrpo", "grpo"]),
     ],
 )
 def test_algo_glob_include_and_exclude(glob: str, expected: list[str]) -> None:
@@ -76,26 +91,28 @@ def test_staleness_glob_patterns_are_text_not_numbers(glob: str, ks: list[int]) 
 
 
 def test_globs_combine_with_other_sweeps_outer_first() -> None:
-    checked = _sweep("algo=glob(*,exclude=[ppo,clip_higher])", "staleness=0,8")
+    checked = _sweep("algo=glob([bapo,grpo])", "staleness=0,8")
     jobs = [(c.algo.name, c.staleness.k) for c in _configs(checked.jobs)]
     assert jobs == [("bapo", 0), ("bapo", 8), ("grpo", 0), ("grpo", 8)]
     checked = _sweep("algo=glob(b*)", "algo.rho0=0.3,0.5")
     assert [(c.algo.name, c.algo.rho0) for c in _configs(checked.jobs)] == [
         ("bapo", 0.3),
         ("bapo", 0.5),
+        ("bapo_recipe", 0.3),
+        ("bapo_recipe", 0.5),
     ]
 
 
 def test_a_glob_with_an_invalid_job_is_refused_naming_the_job() -> None:
-    # rho0 exists only in bapo's schema: job 1 (clip_higher) is the first one it breaks
+    # rho0 exists only in bapo's schema (bapo, bapo_recipe): job 2 (cispo) is the first it breaks
     with pytest.raises(PreflightError) as info:
         _sweep("algo=glob(*)", "algo.rho0=0.3")
     line = str(info.value)
-    assert line.startswith("job 1 (algo=clip_higher): algo.rho0: unknown key in algo; valid keys:")
+    assert line.startswith("job 2 (algo=cispo): algo.rho0: unknown key in algo; valid keys:")
     assert "\n" not in line
     with pytest.raises(PreflightError) as info:
-        _sweep("algo=glob(*,exclude=bapo)", "algo.rho0=0.3")
-    assert str(info.value).startswith("job 0 (algo=clip_higher): algo.rho0: unknown key")
+        _sweep("algo=glob(*,exclude=bapo*)", "algo.rho0=0.3")
+    assert str(info.value).startswith("job 0 (algo=cispo): algo.rho0: unknown key")
 
 
 def test_errors_that_name_their_swept_value_are_unchanged() -> None:
@@ -127,7 +144,7 @@ def test_glob_without_multirun_asks_for_it() -> None:
 
 
 def test_glob_under_optuna_becomes_a_categorical_choice() -> None:
-    checked = _sweep("sweeper=optuna", "algo=glob(*,exclude=[grpo,ppo])")
+    checked = _sweep("sweeper=optuna", "algo=glob(include=[bapo,clip_higher])")
     assert checked.num_jobs is None
     assert "algo=bapo,clip_higher" in checked.overrides
 
@@ -136,14 +153,9 @@ def test_hydras_own_glob_would_also_list_the_schemas() -> None:
     """Why the CLI hands Hydra an explicit list: Hydra expands a glob against its config loader,
     which lists the ConfigStore schemas of the group too."""
     jobs = hydra_runner.expand_sweep(["algo=glob(*)"])
-    assert [job[0] for job in jobs] == [
-        "algo=_bapo_schema",
-        "algo=_clip_higher_schema",
-        "algo=_ppo_schema",
-        "algo=bapo",
-        "algo=clip_higher",
-        "algo=grpo",
-        "algo=ppo",
+    losses = ["bapo", "cispo", "clip_higher", "gspo", "ppo", "sapo"]
+    assert [job[0] for job in jobs] == [f"algo=_{loss}_schema" for loss in losses] + [
+        f"algo={name}" for name in ALGOS
     ]
 
 
@@ -161,7 +173,9 @@ def test_normalize_quotes_numbers_in_a_glob_but_not_patterns() -> None:
 def test_hydra_launches_exactly_the_jobs_preflight_validated(tmp_path: Path) -> None:
     """The real multirun (Hydra's basic sweeper and launcher, in process) on what preflight
     returns: same count, same order, same choices."""
-    checked = _sweep("algo=glob(*,exclude=ppo)", "staleness=glob(*,exclude=[1,2])", "tracking=none")
+    checked = _sweep(
+        "algo=glob([bapo,clip_higher,grpo])", "staleness=glob(*,exclude=[1,2])", "tracking=none"
+    )
     seen: list = []
 
     def record(cfg: DictConfig) -> None:

@@ -65,6 +65,8 @@ clipped value (so raising c_low *adds* negative mass), searches c_low first, use
 instead of a share, and searches per micro-batch. Here: gradient-carrying tokens only, c_high
 first, a share, and per optimizer step over the whole mini-batch and all ranks (per micro-batch is
 still available as the cheaper approximation: call `adaptive_bounds` on each micro-batch).
+`BoundSearch(rule="recipe")` runs the recipe's search instead (`RecipeAccumulator`; `algo=
+bapo_recipe`), so the two can be compared on the same trainer.
 
 Settings: `BoundSearch` holds the search's six settings with the paper's defaults (rho0 0.4,
 c_low in [0.6, 0.9] by 0.02, c_high in [1.2, 3.0] by 0.05, weighting none), written and validated
@@ -77,6 +79,7 @@ Run it: ``bapo train algo=bapo``; use it from another trainer: docs/bapo.md.
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -89,7 +92,9 @@ from bapo_cli.algos.params import ParamError, number, one_of, param
 
 __all__ = [
     "PAPER",
+    "RULES",
     "WEIGHTINGS",
+    "RecipeAccumulator",
     "BapoBounds",
     "BoundAccumulator",
     "BoundPath",
@@ -100,6 +105,10 @@ __all__ = [
 
 # Token weight w in rho: 1, or pi_rollout(y_t) (the paper's Eq. 8).
 WEIGHTINGS = ("none", "rollout_prob")
+# paper: Algorithm 1 as written above; recipe: the authors' public verl recipe (`RecipeAccumulator`)
+RULES = ("paper", "recipe")
+# The recipe's target test: P / (N + RECIPE_EPS) >= target (its `eps`).
+RECIPE_EPS = 1e-8
 
 # A path longer than this is a configuration mistake (e.g. a step of 1e-9), not a search.
 MAX_PATH_POINTS = 100_000
@@ -202,6 +211,12 @@ class BoundSearch:
     weighting: str = param(
         "none", "token weight in rho: none (w=1) or rollout_prob (w=pi_rollout, paper Eq. 8)"
     )
+    rule: str = param(
+        "paper",
+        "paper = Algorithm 1 (active tokens only, c_high first, share >= rho0); recipe = the "
+        "authors' public verl recipe (clipped tokens counted at their clipped value, c_low "
+        "first, stop when P/N >= rho0/(1-rho0)); docs/bapo.md",
+    )
 
     def __post_init__(self) -> None:
         self.check()
@@ -212,16 +227,21 @@ class BoundSearch:
         """rho0 in [0, 1], ranges 0 < min <= max < inf, steps > 0 (and not so small that the path
         explodes), weighting one of WEIGHTINGS. Raises a ParamError naming the setting."""
         check_rho0(self.rho0)
+        one_of("rule", self.rule, RULES)
         self.path()
         one_of("weighting", self.weighting, WEIGHTINGS)
 
     def path(self) -> BoundPath:
         """The fixed path these settings walk (memoised)."""
-        return BoundPath.build(self.low_range, self.high_range, self.low_step, self.high_step)
+        return BoundPath.build(
+            self.low_range, self.high_range, self.low_step, self.high_step, rule=self.rule
+        )
 
-    def accumulator(self, dual_clip: float | None = None) -> BoundAccumulator:
-        """An empty `BoundAccumulator` over this path; `solve(self.rho0)` it after adding."""
-        return BoundAccumulator(
+    def accumulator(self, dual_clip: float | None = None) -> BoundAccumulator | RecipeAccumulator:
+        """An empty accumulator over this path (`RecipeAccumulator` for rule=recipe);
+        `solve(self.rho0)` it after adding."""
+        cls = RecipeAccumulator if self.rule == "recipe" else BoundAccumulator
+        return cls(
             low_range=self.low_range,
             high_range=self.high_range,
             low_step=self.low_step,
@@ -236,10 +256,15 @@ class BoundPath:
 
     `high_values[i]` is c_high after i c_high steps, `low_values[j]` is c_low after j c_low steps;
     path point k is (low_values[max(0, k - n_high)], high_values[min(k, n_high)]).
+    rule=recipe (`low_first`): c_low's steps come first, point k is
+    (low_values[min(k, n_low)], high_values[max(0, k - n_low)]); each range is walked to its
+    max, the last step clamped to it (the recipe's ``min(c + step, max)`` while ``c < max``), and
+    c_high moves even when c_low cannot (no literal loop guard).
     """
 
     high_values: tuple[float, ...]
     low_values: tuple[float, ...]
+    low_first: bool = False
 
     @classmethod
     def build(
@@ -248,12 +273,14 @@ class BoundPath:
         high_range: Sequence[float] = BoundSearch.high_range,
         low_step: float = BoundSearch.low_step,
         high_step: float = BoundSearch.high_step,
+        rule: str = BoundSearch.rule,
     ) -> BoundPath:
         a_low, b_low = _check_range("low_range", low_range)
         a_high, b_high = _check_range("high_range", high_range)
         low_step = _check_step("low_step", low_step)
         high_step = _check_step("high_step", high_step)
-        return _build_path(a_low, b_low, a_high, b_high, low_step, high_step)
+        one_of("rule", rule, RULES)
+        return _build_path(a_low, b_low, a_high, b_high, low_step, high_step, rule)
 
     @property
     def n_high(self) -> int:
@@ -269,21 +296,41 @@ class BoundPath:
 
     def point(self, k: int) -> tuple[float, float]:
         """(c_low, c_high) at path point k."""
+        if self.low_first:
+            return self.low_values[min(k, self.n_low)], self.high_values[max(0, k - self.n_low)]
         return self.low_values[max(0, k - self.n_high)], self.high_values[min(k, self.n_high)]
+
+
+def _n_steps_to_max(name: str, step: float, lo: float, hi: float) -> int:
+    """Steps of ``c = min(c + step, hi)`` while ``c < hi`` (the recipe's loop): ceil, not floor."""
+    n = math.ceil((hi - lo) / step - STEP_TOLERANCE)
+    if n >= MAX_PATH_POINTS:
+        raise ParamError(name, step, f"too small: the path would have {n} points on its range")
+    return max(n, 0)
 
 
 @functools.lru_cache(maxsize=64)
 def _build_path(
-    a_low: float, b_low: float, a_high: float, b_high: float, low_step: float, high_step: float
+    a_low: float,
+    b_low: float,
+    a_high: float,
+    b_high: float,
+    low_step: float,
+    high_step: float,
+    rule: str = "paper",
 ) -> BoundPath:
     """The path for validated numbers; memoised (a pure function of immutable inputs) so that a
     loss called every micro-batch does not rebuild it."""
-    n_low = _n_steps("low_step", low_step, a_low, b_low)
-    # Literal loop guard: no c_low step possible -> the loop never runs, c_high stays too.
-    n_high = _n_steps("high_step", high_step, a_high, b_high) if n_low > 0 else 0
+    if rule == "recipe":
+        n_low = _n_steps_to_max("low_step", low_step, a_low, b_low)
+        n_high = _n_steps_to_max("high_step", high_step, a_high, b_high)
+    else:
+        n_low = _n_steps("low_step", low_step, a_low, b_low)
+        # Literal loop guard: no c_low step possible -> the loop never runs, c_high stays too.
+        n_high = _n_steps("high_step", high_step, a_high, b_high) if n_low > 0 else 0
     high = tuple(path_value(a_high, i, high_step, b_high) for i in range(n_high + 1))
     low = tuple(path_value(a_low, j, low_step, b_low) for j in range(n_low + 1))
-    return BoundPath(high_values=high, low_values=low)
+    return BoundPath(high_values=high, low_values=low, low_first=rule == "recipe")
 
 
 PAPER = BoundSearch()  # the paper's settings: the defaults of the functions below
@@ -478,6 +525,34 @@ def _locator(
     return _Locator(torch.cat(parts)).to(device)
 
 
+def _keyed_inputs(
+    ratio: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    weights: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Flat (key = copysign(r, A), mass = w r |A|, weight = w |A|) in the compute dtype, 0 on
+    tokens out of the mask or with a non-finite r, A, w or product."""
+    _check_same_shape(
+        "ratio", {"ratio": ratio, "advantages": advantages, "mask": mask, "weights": weights}
+    )
+    if not ratio.is_floating_point():
+        raise ValueError(f"ratio must be a floating-point tensor, got {ratio.dtype}")
+    cd = compute_dtype(ratio.dtype)
+    r = ratio.detach().reshape(-1).to(cd)
+    adv = advantages.detach().reshape(-1).to(cd)
+    keep = mask.reshape(-1)
+    keep = keep if keep.dtype == torch.bool else keep != 0
+    key = torch.copysign(r, adv)  # +r for A > 0, -r for A < 0
+    m = key * adv  # r |A| >= 0: key and A have the same sign
+    a = adv.abs()
+    if weights is not None:
+        w = weights.detach().reshape(-1).to(cd)
+        m, a = m * w, a * w
+    keep = keep & ((m - m) == 0) & ((a - a) == 0)  # false for NaN/inf in r, A, w
+    return torch.where(keep, key, 0.0), torch.where(keep, m, 0.0), torch.where(keep, a, 0.0)
+
+
 class BoundAccumulator:
     """Additive per-path-point sums, so micro-batches and ranks can be solved once together.
 
@@ -531,22 +606,8 @@ class BoundAccumulator:
         token counts; weights: optional w >= 0 per token. Tokens whose r, A or w is not finite (or
         whose product w * r * A overflows) are left out. No host sync.
         """
-        _check_same_shape(
-            "ratio", {"ratio": ratio, "advantages": advantages, "mask": mask, "weights": weights}
-        )
-        if not ratio.is_floating_point():
-            raise ValueError(f"ratio must be a floating-point tensor, got {ratio.dtype}")
-        cd = compute_dtype(ratio.dtype)
-        r = ratio.detach().reshape(-1).to(cd)
-        adv = advantages.detach().reshape(-1).to(cd)
-        keep = mask.reshape(-1)
-        keep = keep if keep.dtype == torch.bool else keep != 0
-        key = torch.copysign(r, adv)  # +r for A > 0, -r for A < 0
-        m = key * adv  # r |A| >= 0: key and A have the same sign
-        if weights is not None:
-            m = m * weights.detach().reshape(-1).to(cd)
-        keep = keep & ((m - m) == 0)  # false for NaN/inf in r, A, w
-        self.add_keyed(torch.where(keep, key, 0.0), torch.where(keep, m, 0.0), ratio.dtype)
+        key, m, _ = _keyed_inputs(ratio, advantages, mask, weights)
+        self.add_keyed(key, m, ratio.dtype)
 
     def add_keyed(self, key: torch.Tensor, mass: torch.Tensor, dtype: torch.dtype) -> None:
         """Lower-level `add` for callers that already hold clean tensors (the BAPO loss).
@@ -605,6 +666,150 @@ class BoundAccumulator:
         self._sums = None
 
 
+class RecipeAccumulator:
+    """The bound search of the authors' public verl recipe (`BoundSearch(rule="recipe")`), with
+    `BoundAccumulator`'s interface (`add`, `solve`, `reset`) and its one-pass computation.
+
+    What the recipe does (recipe/bapo/policy_loss.py of github.com/WooooDyy/BAPO), per loss call:
+    every token counts, a clipped one at its clipped value,
+
+        P(c_high) = sum_{A>0} min(r, c_high) |A|,   N(c_low) = sum_{A<0} max(r, c_low) |A|,
+
+    c_low moves first (to its max), then c_high, and the search stops at the first point with
+    P / (N + 1e-8) >= target (inf when N = 0). Here target = rho0 / (1 - rho0), so rho0 stays a
+    share in every rule (the recipe's ``adv_ratio_target: 1`` is rho0 = 0.5; docs/bapo.md).
+    Raising c_low adds negative mass, so c_low only helps when the start point already meets the
+    target: off-policy batches walk it to its max. On-policy data walks the whole path too (the
+    recipe has no early stop; the bounds do not matter there).
+
+    Each token is binned by where it changes activity, as in `BoundAccumulator`, with two sums
+    per bin: w r |A| and w |A|, so P and N at every path point come from cumulative sums.
+    Negatives at or above the dual clip count at r |A| (max(r, c_low) = r), as in the recipe.
+    The result reports the sums of the gradient-carrying tokens (pos, neg, rho), the same
+    quantity every loss reports, so `actor/rho` compares across algorithms.
+    """
+
+    def __init__(
+        self,
+        *,
+        low_range: Sequence[float] = PAPER.low_range,
+        high_range: Sequence[float] = PAPER.high_range,
+        low_step: float = PAPER.low_step,
+        high_step: float = PAPER.high_step,
+        dual_clip: float | None = None,
+    ) -> None:
+        self.path = BoundPath.build(low_range, high_range, low_step, high_step, rule="recipe")
+        dual = None if dual_clip is None else number("dual_clip", dual_clip)
+        if dual is not None and not (self.path.low_values[-1] < dual < math.inf):
+            raise ParamError(
+                "dual_clip",
+                dual_clip,
+                f"must be finite and > the largest c_low ({self.path.low_values[-1]}), or None",
+            )
+        self.dual_clip = dual
+        self._lead = 0 if dual is None else 1  # leading bin: dual-clipped negatives
+        self._sums: torch.Tensor | None = None
+
+    @property
+    def _size(self) -> int:
+        return self.path.n_high + self.path.n_low + 4 + self._lead
+
+    def add(
+        self,
+        ratio: torch.Tensor,
+        advantages: torch.Tensor,
+        mask: torch.Tensor,
+        weights: torch.Tensor | None = None,
+    ) -> None:
+        """Add one batch of tokens, as `BoundAccumulator.add` (dual-clipped negatives included:
+        the recipe counts them). No host sync."""
+        key, m, a = _keyed_inputs(ratio, advantages, mask, weights)
+        path = self.path
+        locator = _locator(
+            path.low_values, path.high_values, self.dual_clip, ratio.dtype, key.device
+        )
+        count = locator.count(key)
+        size = self._size
+        bins = torch.cat(
+            [
+                torch.bincount(count, weights=m.double(), minlength=size),
+                torch.bincount(count, weights=a.double(), minlength=size),
+            ]
+        )
+        if self._sums is None:
+            self._sums = torch.zeros_like(bins)
+        self._sums.add_(bins)
+
+    def solve(self, rho0: float = PAPER.rho0, group: Any = None) -> BapoBounds:
+        """Walk the recipe's path; one all-reduce over `group` (optional), one host read."""
+        rho0 = check_rho0(rho0)
+        size = self._size
+        sums = self._sums if self._sums is not None else torch.zeros(2 * size, dtype=torch.float64)
+        if group is not None:
+            import torch.distributed as dist
+
+            sums = sums.clone()
+            if dist.get_backend(group) == "nccl" and sums.device.type != "cuda":
+                sums = sums.cuda()
+            dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=group)
+        values = sums.tolist()
+        mass, weight = values[:size], values[size:]
+        dual_mass = mass[0] if self._lead else 0.0  # dual-clipped negatives: r |A|, never active
+        return _solve_recipe(self.path, mass[self._lead :], weight[self._lead :], dual_mass, rho0)
+
+    def reset(self) -> None:
+        """Forget the added sums (start the next optimizer step)."""
+        self._sums = None
+
+
+def _suffix_sums(values: list[float]) -> list[float]:
+    """[sum(values[i:]) for i in range(len(values))], added from the end (exact zeros stay 0)."""
+    return list(itertools.accumulate(reversed(values)))[::-1]
+
+
+def _solve_recipe(
+    path: BoundPath, mass: list[float], weight: list[float], dual_mass: float, rho0: float
+) -> BapoBounds:
+    """The recipe's walk on the per-bin sums (layout of `_rho_curve`): mass = w r |A|,
+    weight = w |A| per bin."""
+    n_h, n_l = path.n_high, path.n_low
+    neg_m, neg_w = mass[n_l + 1 :: -1][: n_l + 2], weight[n_l + 1 :: -1][: n_l + 2]  # [exit x]
+    pos_m, pos_w = mass[n_l + 2 :], weight[n_l + 2 :]  # [entry e]
+    # positives active at c_high index i: entry e <= i; the others count at high_i |A|
+    active_pos = list(itertools.accumulate(pos_m[: n_h + 1]))
+    clipped_pos = _suffix_sums(pos_w)[1:]  # [i] = sum of pos_w[i + 1 :]
+    # negatives active at c_low index j: exit x > j; the others (r <= low_j) count at low_j |A|
+    clipped_neg = list(itertools.accumulate(neg_w[: n_l + 1]))
+    active_neg = _suffix_sums(neg_m)[1:]  # [j] = sum of neg_m[j + 1 :]
+    target = math.inf if rho0 >= 1.0 else rho0 / (1.0 - rho0)
+
+    def indices(k: int) -> tuple[int, int]:  # (c_low index, c_high index) at point k
+        return min(k, n_l), max(0, k - n_l)
+
+    def met(k: int) -> bool:
+        j, i = indices(k)
+        p = active_pos[i] + path.high_values[i] * clipped_pos[i]
+        n = active_neg[j] + path.low_values[j] * clipped_neg[j] + dual_mass
+        return (math.inf if n <= 0 else p / (n + RECIPE_EPS)) >= target
+
+    k, last = 0, len(path) - 1
+    while k < last and not met(k):
+        k += 1
+    (j0, i0), (j, i) = indices(0), indices(k)
+    c_low, c_high = path.point(k)
+    return BapoBounds(
+        c_low=c_low,
+        c_high=c_high,
+        rho_before=rho_from_sums(active_pos[i0], active_neg[j0]),
+        rho=rho_from_sums(active_pos[i], active_neg[j]),
+        steps=k,
+        pos_before=active_pos[i0],
+        neg_before=active_neg[j0],
+        pos=active_pos[i],
+        neg=active_neg[j],
+    )
+
+
 def adaptive_bounds(
     ratio: torch.Tensor,
     advantages: torch.Tensor,
@@ -618,6 +823,7 @@ def adaptive_bounds(
     weights: torch.Tensor | None = None,
     group: Any = None,
     dual_clip: float | None = None,
+    rule: str = PAPER.rule,
 ) -> BapoBounds:
     """Algorithm 1 of the BAPO paper on one batch of tokens: one `add` and one `solve`.
 
@@ -631,6 +837,7 @@ def adaptive_bounds(
         high_range=high_range,
         low_step=low_step,
         high_step=high_step,
+        rule=rule,
     )
     acc = search.accumulator(dual_clip)
     acc.add(ratio, advantages, mask, weights)

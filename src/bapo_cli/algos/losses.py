@@ -67,8 +67,10 @@ import torch
 
 from bapo_cli.algos.bounds import (
     PAPER,
+    RULES,
     WEIGHTINGS,
     BapoBounds,
+    BoundAccumulator,
     BoundSearch,
     compute_dtype,
     range_pair,
@@ -339,6 +341,62 @@ def token_activity(
     return active_pos, active_neg
 
 
+def surrogate_metrics(
+    tok: Tokens,
+    *,
+    ratio: Tensor,
+    weight: Tensor,
+    active_pos: Tensor,
+    active_neg: Tensor,
+    clipped_low: Tensor,
+    clipped_high: Tensor,
+    c_low: float,
+    c_high: float,
+) -> dict[str, Any]:
+    """The metric set every loss reports (module docstring), from what the loss decided per token.
+
+    ratio: the ratio the loss clips or gates (r_t; GSPO: its sequence's s_i), detached.
+    weight: the gradient weight per unit |A| of a token, |d loss_t / d log pi_t| / |A_t| before
+    aggregation (r_t for an active token of the clipped surrogate; CISPO: the clipped IS weight;
+    SAPO: the gate's). `w |A|` summed over the active positive / negative tokens gives the sums
+    rho is the share of (for the clipped surrogate: r |A|, as the bound search counts).
+    clipped_low / clipped_high: the tokens counted in clipfrac_low / clipfrac_high.
+    """
+    with torch.no_grad():
+        n = tok.n_valid.clamp(min=1)
+        mass = weight * tok.adv.abs()  # [B, T]; 0 off the mask (adv is 0 there)
+        r_valid = torch.where(tok.valid, ratio, 0.0)
+        # w |A| summed over the active tokens, in float64 like the search's sums
+        pos_sum = torch.where(active_pos, mass, 0.0).sum(dtype=torch.float64)
+        neg_sum = torch.where(active_neg, mass, 0.0).sum(dtype=torch.float64)
+        metrics: dict[str, Any] = {
+            "clipfrac_low": clipped_low.sum() / n,
+            "clipfrac_high": clipped_high.sum() / n,
+            "ppo_kl": -tok.log_ratio.sum() / n,  # mean of log pi_rollout - log pi_theta
+            "ratio_mean": r_valid.sum() / n,
+            "ratio_max": r_valid.max() if ratio.numel() else ratio.new_zeros(()),
+            "pos_mass": (pos_sum / n).to(ratio.dtype),
+            "neg_mass": (neg_sum / n).to(ratio.dtype),
+            "active_tokens": (active_pos | active_neg).sum(dtype=torch.float64),
+            "nonfinite_tokens": tok.nonfinite,
+        }
+        # The bounds and the positive share at them: what BAPO's search reports, for any loss.
+        total = pos_sum + neg_sum
+        rho = torch.where(total > 0, pos_sum / torch.where(total > 0, total, 1.0), 1.0)
+        metrics.update(
+            c_low=torch.tensor(float(c_low), dtype=torch.float64),
+            c_high=torch.tensor(float(c_high), dtype=torch.float64),
+            rho_before=rho,
+            rho=rho,
+            rho_pos=pos_sum,
+            rho_neg=neg_sum,
+            rho_pos_before=pos_sum,
+            rho_neg_before=neg_sum,
+            search_steps=torch.zeros((), dtype=torch.float64),
+        )
+    return metrics
+
+
 def clipped_surrogate(
     tok: Tokens,
     c_low: float,
@@ -370,38 +428,19 @@ def clipped_surrogate(
         global_seqs=global_seqs,
         norm_len=norm_len,
     )
-    with torch.no_grad():
-        n = tok.n_valid.clamp(min=1)
-        mass = loss_tok.detach()  # -A r for active tokens: A > 0 gives -mass
-        r_valid = torch.where(tok.valid, r, 0.0)
-        # r |A| summed over the active tokens, in float64 like the search's sums (w = 1)
-        pos_sum = -torch.where(active_pos, mass, 0.0).sum(dtype=torch.float64)
-        neg_sum = torch.where(active_neg, mass, 0.0).sum(dtype=torch.float64)
-        metrics: dict[str, Any] = {
-            "clipfrac_low": (tok.neg & (r <= lo)).sum() / n,
-            "clipfrac_high": (tok.pos & (r >= hi)).sum() / n,
-            "ppo_kl": -tok.log_ratio.sum() / n,  # mean of log pi_rollout - log pi_theta
-            "ratio_mean": r_valid.sum() / n,
-            "ratio_max": r_valid.max() if r.numel() else r.new_zeros(()),
-            "pos_mass": (pos_sum / n).to(r.dtype),
-            "neg_mass": (neg_sum / n).to(r.dtype),
-            "active_tokens": active.sum(dtype=torch.float64),
-            "nonfinite_tokens": tok.nonfinite,
-        }
-        # The bounds and the positive share at them: what BAPO's search reports, for any loss.
-        total = pos_sum + neg_sum
-        rho = torch.where(total > 0, pos_sum / torch.where(total > 0, total, 1.0), 1.0)
-        metrics.update(
-            c_low=torch.tensor(float(c_low), dtype=torch.float64),
-            c_high=torch.tensor(float(c_high), dtype=torch.float64),
-            rho_before=rho,
-            rho=rho,
-            rho_pos=pos_sum,
-            rho_neg=neg_sum,
-            rho_pos_before=pos_sum,
-            rho_neg_before=neg_sum,
-            search_steps=torch.zeros((), dtype=torch.float64),
-        )
+    clipped_low = tok.neg & (r <= lo)
+    clipped_high = tok.pos & (r >= hi)
+    metrics = surrogate_metrics(
+        tok,
+        ratio=r,
+        weight=r,
+        active_pos=active_pos,
+        active_neg=active_neg,
+        clipped_low=clipped_low,
+        clipped_high=clipped_high,
+        c_low=c_low,
+        c_high=c_high,
+    )
     return loss, metrics
 
 
@@ -532,15 +571,19 @@ def search_inputs(
     *,
     dual_clip: float | None = 3.0,
     weighting: str = PAPER.weighting,
+    rule: str = PAPER.rule,
 ) -> dict[str, Tensor]:
     """The (ratio, advantages, mask, weights) that `bapo_loss` feeds its bound search, for a
     trainer that accumulates over micro-batches: ``acc.add(**search_inputs(...))``. Applies the
-    same non-finite masking, dual-clip exclusion and weighting as the loss."""
+    same non-finite masking, dual-clip exclusion and weighting as the loss (rule=recipe keeps the
+    dual-clipped negatives: the recipe counts them, and its accumulator, built with the dual
+    clip, sets them apart)."""
     one_of("weighting", weighting, WEIGHTINGS)
+    one_of("rule", rule, RULES)
     with torch.no_grad():
         tok = prepare_tokens(log_prob, old_log_prob, advantages, mask)
         keep = tok.valid
-        if dual_clip is not None:
+        if dual_clip is not None and rule == "paper":
             keep = keep & ~(tok.neg & (tok.r >= _rounded(dual_clip, tok.r)))
         weights = None
         if weighting == "rollout_prob":
@@ -580,6 +623,12 @@ class BapoParams(BoundSearch):
 
     def describe(self) -> str:
         lo, hi = self.low_range, self.high_range
+        if self.rule == "recipe":
+            return (
+                f"adaptive (public recipe): c_low {lo[0]}→{lo[1]} by {self.low_step}, then "
+                f"c_high {hi[0]}→{hi[1]} by {self.high_step}, clipped tokens at their clipped "
+                f"value, until P/N ≥ {self.rho0}/(1-{self.rho0}) (per {self.bound_scope})"
+            )
         return (
             f"adaptive: c_high {hi[0]}→{hi[1]} by {self.high_step}, then c_low {lo[0]}→{lo[1]} "
             f"by {self.low_step}, until rho ≥ {self.rho0} (per {self.bound_scope})"
@@ -599,6 +648,7 @@ def bapo_loss(
     low_step: float = PAPER.low_step,
     high_step: float = PAPER.high_step,
     weighting: str = PAPER.weighting,
+    rule: str = PAPER.rule,
     bounds: BapoBounds | None = None,
     group: Any = None,
     dual_clip: float | None = 3.0,
@@ -625,12 +675,26 @@ def bapo_loss(
             low_step=low_step,
             high_step=high_step,
             weighting=weighting,
+            rule=rule,
         )
         dual_clip = _check_dual_clip(dual_clip, search.path().low_values[-1])
         acc = search.accumulator(dual_clip)
         tok = prepare_tokens(log_prob, old_log_prob, advantages, mask)
-        key, mass = _search_key_mass(tok, old_log_prob, search.weighting)
-        acc.add_keyed(key, mass, tok.r.dtype)
+        if isinstance(acc, BoundAccumulator):
+            key, mass = _search_key_mass(tok, old_log_prob, search.weighting)
+            acc.add_keyed(key, mass, tok.r.dtype)
+        else:  # the recipe's search also sums |A| per bin: the plain interface
+            acc.add(
+                **search_inputs(
+                    log_prob,
+                    old_log_prob,
+                    advantages,
+                    mask,
+                    dual_clip=dual_clip,
+                    weighting=search.weighting,
+                    rule=search.rule,
+                )
+            )
         bounds = acc.solve(search.rho0, group=group)
     elif not isinstance(bounds, BapoBounds):
         raise ParamError("bounds", bounds, "must be a BapoBounds or None")
@@ -657,5 +721,270 @@ def bapo_loss(
         rho_pos_before=bounds.pos_before,
         rho_neg_before=bounds.neg_before,
         search_steps=float(bounds.steps),
+    )
+    return loss, metrics
+
+
+# --------------------------------------------------------------------------------------------
+# Beyond the per-token clipped surrogate: GSPO (sequence-level ratio), CISPO (clipped IS weight),
+# SAPO (soft gate). Formulas and papers: docs/algorithms.md.
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class GSPOParams:
+    """GSPO: clip the length-normalised sequence ratio s_i to [1 - eps_low, 1 + eps_high]."""
+
+    eps_low: float = param(3e-4, "lower clip range of the sequence ratio (GSPO paper: 3e-4)")
+    eps_high: float = param(4e-4, "upper clip range of the sequence ratio (GSPO paper: 4e-4)")
+
+    def __post_init__(self) -> None:
+        self.check()
+
+    def check(self) -> None:
+        if not 0.0 < number("eps_low", self.eps_low) < 1.0:
+            raise ParamError("eps_low", self.eps_low, "must be within (0, 1)")
+        if not 0.0 < number("eps_high", self.eps_high) < math.inf:
+            raise ParamError("eps_high", self.eps_high, "must be a finite number > 0")
+
+    def describe(self) -> str:
+        return f"sequence ratio in [{1 - self.eps_low:g}, {1 + self.eps_high:g}]"
+
+
+@REGISTRY.register("gspo", params=GSPOParams)
+def gspo_loss(
+    log_prob: Tensor,
+    old_log_prob: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    *,
+    eps_low: float = GSPOParams.eps_low,
+    eps_high: float = GSPOParams.eps_high,
+    dual_clip: float | None = 3.0,
+    agg: str = "seq-mean-token-mean",
+    global_tokens: float | Tensor | None = None,
+    global_seqs: float | Tensor | None = None,
+    norm_len: float | None = None,
+) -> tuple[Tensor, dict[str, Any]]:
+    """GSPO (arXiv 2507.18071): the clipped surrogate on the sequence ratio
+    s_i = exp(mean_t log r_{i,t}) over the sequence's valid tokens.
+
+    Written in the paper's GSPO-token form, s_{i,t} = sg(s_i) * pi(y_t) / sg(pi(y_t)): every
+    token has the value s_i and the gradient s_i grad log pi(y_t), so with
+    agg="seq-mean-token-mean" (the default, the paper's 1/G sum_i) the gradient is exactly
+    GSPO's, sum_i A_i grad s_i / G, and per-token advantages (rollout.tis_cap) still apply.
+    A whole sequence is clipped or not: a positive one carries gradient iff s_i < c_high, a
+    negative one iff c_low < s_i (< dual_clip, applied to s_i). Needs [B, T] tensors.
+    """
+    GSPOParams(eps_low=eps_low, eps_high=eps_high)
+    if log_prob.dim() != 2:
+        raise ValueError(
+            f"gspo needs [B, T] tensors (its ratio is per sequence), got shape "
+            f"{tuple(log_prob.shape)}"
+        )
+    c_low, c_high = 1.0 - float(eps_low), 1.0 + float(eps_high)
+    dual_clip = _check_dual_clip(dual_clip, c_low)
+    _check_agg(agg, log_prob.dim())
+    tok = prepare_tokens(log_prob, old_log_prob, advantages, mask)
+    with torch.no_grad():
+        n_seq = tok.valid.sum(dim=-1).clamp(min=1).to(tok.r.dtype)
+        seq_ratio = torch.exp(tok.log_ratio.sum(dim=-1) / n_seq)  # s_i, [B]
+        s = torch.where(tok.valid, seq_ratio[:, None], 1.0)  # s_i on each of its tokens
+    lo, hi = _rounded(c_low, s), _rounded(c_high, s)
+    upper_neg = None if dual_clip is None else _rounded(dual_clip, s)
+    active_pos = tok.pos & (s < hi)
+    active_neg = tok.neg & (s > lo)
+    if upper_neg is not None:
+        active_neg = active_neg & (s < upper_neg)
+    active = active_pos | active_neg
+    s_token = s * (tok.ratio / tok.r)  # value s_i, gradient s_i * grad log pi(y_t)
+    s_clipped = torch.where(tok.pos, s.clamp(max=hi), s.clamp(min=lo, max=upper_neg))
+    loss_tok = -tok.adv * torch.where(active, s_token, s_clipped)
+    loss = aggregate(
+        loss_tok,
+        tok.valid,
+        agg,
+        global_tokens=global_tokens,
+        global_seqs=global_seqs,
+        norm_len=norm_len,
+    )
+    metrics = surrogate_metrics(
+        tok,
+        ratio=s,
+        weight=s,
+        active_pos=active_pos,
+        active_neg=active_neg,
+        clipped_low=tok.neg & (s <= lo),
+        clipped_high=tok.pos & (s >= hi),
+        c_low=c_low,
+        c_high=c_high,
+    )
+    return loss, metrics
+
+
+@dataclass(frozen=True)
+class CISPOParams:
+    """CISPO: the detached IS weight clipped to [max(0, 1 - eps_low), 1 + eps_high]."""
+
+    eps_low: float = param(
+        1.0, "lower clip range of the IS weight; >= 1 = no lower bound (MiniMax-M1's setting)"
+    )
+    eps_high: float = param(
+        0.28,
+        "upper clip range of the IS weight: w <= 1 + eps_high (MiniMax-M1 tunes only this one "
+        "and does not publish it; 0.28 as verl's and Trinity-RFT's CISPO)",
+    )
+
+    def __post_init__(self) -> None:
+        self.check()
+
+    def check(self) -> None:
+        if not 0.0 < number("eps_low", self.eps_low) < math.inf:
+            raise ParamError("eps_low", self.eps_low, "must be a finite number > 0")
+        if not 0.0 < number("eps_high", self.eps_high) < math.inf:
+            raise ParamError("eps_high", self.eps_high, "must be a finite number > 0")
+
+    def describe(self) -> str:
+        return f"IS weight clipped to [{max(0.0, 1 - self.eps_low):g}, {1 + self.eps_high:g}]"
+
+
+@REGISTRY.register("cispo", params=CISPOParams)
+def cispo_loss(
+    log_prob: Tensor,
+    old_log_prob: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    *,
+    eps_low: float = CISPOParams.eps_low,
+    eps_high: float = CISPOParams.eps_high,
+    dual_clip: float | None = 3.0,
+    agg: str = "token-mean",
+    global_tokens: float | Tensor | None = None,
+    global_seqs: float | Tensor | None = None,
+    norm_len: float | None = None,
+) -> tuple[Tensor, dict[str, Any]]:
+    """CISPO (MiniMax-M1, arXiv 2506.13585, Eq. 4): loss_t = -sg(clip(r_t, c_low, c_high)) A_t
+    log pi_theta(y_t), c_low = max(0, 1 - eps_low), c_high = 1 + eps_high.
+
+    The weight, not the token, is clipped: every valid token with A != 0 carries gradient
+    -w_t A_t grad log pi (a low-probability token with a large ratio keeps the gradient w = c_high
+    instead of none). clipfrac_low / clipfrac_high count the tokens whose weight was clipped
+    (either sign). dual_clip is not used: the weight is already at most c_high.
+    """
+    CISPOParams(eps_low=eps_low, eps_high=eps_high)
+    c_low, c_high = max(0.0, 1.0 - float(eps_low)), 1.0 + float(eps_high)
+    _check_agg(agg, log_prob.dim())
+    tok = prepare_tokens(log_prob, old_log_prob, advantages, mask)
+    lo, hi = _rounded(c_low, tok.r), _rounded(c_high, tok.r)
+    weight = tok.r.clamp(min=lo, max=hi)  # detached IS weight
+    logp = torch.where(tok.valid, log_prob, 0.0)  # no 0 * inf on masked or non-finite tokens
+    loss_tok = -tok.adv * weight * logp
+    loss = aggregate(
+        loss_tok,
+        tok.valid,
+        agg,
+        global_tokens=global_tokens,
+        global_seqs=global_seqs,
+        norm_len=norm_len,
+    )
+    signed = tok.pos | tok.neg
+    metrics = surrogate_metrics(
+        tok,
+        ratio=tok.r,
+        weight=weight,
+        active_pos=tok.pos,
+        active_neg=tok.neg,
+        clipped_low=signed & (tok.r <= lo) if c_low > 0 else torch.zeros_like(signed),
+        clipped_high=signed & (tok.r >= hi),
+        c_low=c_low,
+        c_high=c_high,
+    )
+    return loss, metrics
+
+
+# Where the soft gate's gradient weight sech^2(tau (r - 1) / 2) has fallen to one half:
+# |tau (r - 1)| = 2 arcosh(sqrt 2) = 2 ln(1 + sqrt 2).
+SAPO_HALF_WIDTH = 2.0 * math.log(1.0 + math.sqrt(2.0))
+
+
+@dataclass(frozen=True)
+class SAPOParams:
+    """SAPO: a sigmoid gate instead of a hard clip, sharper for negative advantages."""
+
+    tau_pos: float = param(1.0, "gate temperature for A > 0 (SAPO paper: 1.0)")
+    tau_neg: float = param(1.05, "gate temperature for A < 0 (SAPO paper: 1.05)")
+
+    def __post_init__(self) -> None:
+        self.check()
+
+    def check(self) -> None:
+        for name in ("tau_pos", "tau_neg"):
+            if not 0.0 < number(name, getattr(self, name)) < math.inf:
+                raise ParamError(name, getattr(self, name), "must be a finite number > 0")
+
+    def describe(self) -> str:
+        return f"soft gate, tau {self.tau_pos:g} (A > 0) / {self.tau_neg:g} (A < 0)"
+
+    def half_bounds(self) -> tuple[float, float]:
+        """(c_low, c_high): where a negative / positive token's gate weight has halved."""
+        return (
+            max(0.0, 1.0 - SAPO_HALF_WIDTH / float(self.tau_neg)),
+            1.0 + SAPO_HALF_WIDTH / float(self.tau_pos),
+        )
+
+
+@REGISTRY.register("sapo", params=SAPOParams)
+def sapo_loss(
+    log_prob: Tensor,
+    old_log_prob: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    *,
+    tau_pos: float = SAPOParams.tau_pos,
+    tau_neg: float = SAPOParams.tau_neg,
+    dual_clip: float | None = 3.0,
+    agg: str = "seq-mean-token-mean",
+    global_tokens: float | Tensor | None = None,
+    global_seqs: float | Tensor | None = None,
+    norm_len: float | None = None,
+) -> tuple[Tensor, dict[str, Any]]:
+    """SAPO (Soft Adaptive Policy Optimization, arXiv 2511.20347): loss_t = -A_t f(r_t),
+    f(r) = (4 / tau) sigmoid(tau (r - 1)), tau = tau_pos if A > 0 else tau_neg.
+
+    Its gradient is -A_t g(r_t) r_t grad log pi with the gate g(r) = 4 s (1 - s) =
+    sech^2(tau (r - 1) / 2), s = sigmoid(tau (r - 1)): 1 on-policy, decaying smoothly off-policy
+    instead of dropping to 0 at a bound. Every valid token with A != 0 carries gradient. SAPO has
+    no bounds; c_low / c_high report where the gate has halved (1 -/+ 2 ln(1 + sqrt 2) / tau,
+    c_low at least 0), and clipfrac_low / clipfrac_high count the tokens beyond them.
+    dual_clip is not used: f is bounded by 4 / tau.
+    """
+    params = SAPOParams(tau_pos=tau_pos, tau_neg=tau_neg)
+    _check_agg(agg, log_prob.dim())
+    tok = prepare_tokens(log_prob, old_log_prob, advantages, mask)
+    tau = torch.where(tok.pos, float(tau_pos), float(tau_neg)).to(tok.r.dtype)
+    loss_tok = -tok.adv * (4.0 / tau) * torch.sigmoid(tau * (tok.ratio - 1.0))
+    loss = aggregate(
+        loss_tok,
+        tok.valid,
+        agg,
+        global_tokens=global_tokens,
+        global_seqs=global_seqs,
+        norm_len=norm_len,
+    )
+    c_low, c_high = params.half_bounds()
+    with torch.no_grad():
+        gate = torch.sigmoid(tau * (tok.r - 1.0))
+        weight = 4.0 * gate * (1.0 - gate) * tok.r
+    lo, hi = _rounded(c_low, tok.r), _rounded(c_high, tok.r)
+    metrics = surrogate_metrics(
+        tok,
+        ratio=tok.r,
+        weight=weight,
+        active_pos=tok.pos,
+        active_neg=tok.neg,
+        clipped_low=tok.neg & (tok.r <= lo) if c_low > 0 else torch.zeros_like(tok.neg),
+        clipped_high=tok.pos & (tok.r >= hi),
+        c_low=c_low,
+        c_high=c_high,
     )
     return loss, metrics

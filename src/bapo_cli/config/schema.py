@@ -147,9 +147,32 @@ class AlgoConfig:
         0.0,
         "weight of a k3 KL penalty to the initial policy (0 = no reference model, as the paper)",
     )
+    dynamic_sampling: bool = opt(
+        False,
+        "DAPO's dynamic sampling: drop prompt groups whose rewards are all equal (no gradient) "
+        "and refill the batch with new prompts (counted in dynamic/*)",
+    )
+    resample_rounds: int = opt(
+        10,
+        "dynamic_sampling: extra generation rounds per step at most; a batch still short after "
+        "them is topped up with dropped groups (dynamic/topped_up_groups)",
+    )
+    overlong_buffer: float = opt(
+        0.0,
+        "DAPO's overlong reward shaping: the last overlong_buffer x rollout.max_tokens tokens of "
+        "the budget (L_cache) cost up to overlong_penalty, linearly (DAPO: 4096/20480 = 0.2); "
+        "0 = off",
+    )
+    overlong_penalty: float = opt(
+        1.0, "overlong_buffer > 0: reward subtracted from a response that fills the budget"
+    )
 
     def check(self) -> None:
         _positive("kl_coef", self.kl_coef, allow_zero=True)
+        _positive("resample_rounds", self.resample_rounds)
+        if not 0.0 <= self.overlong_buffer < 1.0:
+            raise ConfigError("overlong_buffer", self.overlong_buffer, "must be within [0, 1)")
+        _positive("overlong_penalty", self.overlong_penalty, allow_zero=True)
         _one_of("loss", self.loss, _registry_keys("losses"))
         _one_of("advantage", self.advantage, _registry_keys("advantages"))
         _one_of("agg", self.agg, _aggregations())
@@ -588,7 +611,11 @@ class TrainConfig:
     """Everything `bapo train` needs; composed from conf/train.yaml."""
 
     model: ModelConfig = opt(MISSING, "the policy")
-    algo: Any = opt(MISSING, "policy loss and advantages (algo=ppo|grpo|clip_higher|bapo)")
+    algo: Any = opt(
+        MISSING,
+        "policy loss and advantages (algo=ppo|grpo|clip_higher|bapo|bapo_recipe|drgrpo|dapo|"
+        "gspo|cispo|sapo)",
+    )
     staleness: StalenessConfig = opt(MISSING, "off-policy regime (staleness=0|1|2|4|8)")
     data: DataConfig = opt(MISSING, "training prompts")
     rollout: RolloutConfig = opt(MISSING, "generation engine and sampling")

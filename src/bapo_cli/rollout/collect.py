@@ -7,6 +7,10 @@ rollouts), stamps every new token with the engine's policy version, records beha
 with the trainer's forward (`score`), and grades samples as they finish (all of a round's in one
 `reward_many` call when given: the math grader compares their slow answers in parallel).
 
+`collect(draw, count)` is what the regimes that train on whole batches call: `count` prompt groups
+drawn and completed. With DAPO's dynamic sampling (`DynamicSampling`, algo.dynamic_sampling) it
+drops the groups that carry no gradient and refills the batch with new prompts.
+
 Engines that report their own log-probs (vLLM) are scored by the trainer too, right after
 sampling and with the same weights: the trainer's log-probs become the behaviour log-probs the
 loss uses (so an on-policy ratio is exactly 1), the engine's are kept per token
@@ -30,6 +34,72 @@ from bapo_cli.rollout.base import (
 )
 
 
+def informative(group: Sequence[Sample]) -> bool:
+    """A group whose rewards are not all equal: its group-relative advantages are not all 0."""
+    return len({s.reward for s in group}) > 1
+
+
+def by_group(samples: Sequence[Sample]) -> list[list[Sample]]:
+    """Samples split into their prompt groups, in order of first appearance."""
+    groups: dict[int, list[Sample]] = {}
+    for s in samples:
+        groups.setdefault(s.group, []).append(s)
+    return list(groups.values())
+
+
+@dataclass
+class DynamicSampling:
+    """DAPO's dynamic sampling (arXiv 2503.14476, Sec. 3.2): keep only prompt groups whose rewards
+    are not all equal, and sample new prompts until the batch has `count` of them again.
+
+    A group whose samples all score the same has zero advantage under every group baseline, so it
+    adds tokens but no gradient, and a batch full of them shrinks the effective batch size. Each
+    refill round draws exactly the missing number of prompts; after `max_rounds` rounds a batch
+    still short is topped up with the earliest dropped groups (they train with zero advantage),
+    so every step has the same number of groups and updates. The rewards compared are the task's
+    (before any overlong shaping), as verl's `filter_groups.metric=acc`.
+
+    Counters since the last `take()`: dropped groups, refill rounds, topped-up groups.
+    """
+
+    max_rounds: int
+    dropped: int = 0
+    rounds: int = 0
+    topped_up: int = 0
+
+    def fill(
+        self, samples: list[Sample], more: Callable[[int], list[Sample]], count: int
+    ) -> list[Sample]:
+        """The informative groups of `samples`, refilled from `more(k)` (k new prompt groups,
+        completed) up to `count` groups within `max_rounds` rounds, then topped up."""
+        kept: list[list[Sample]] = []
+        dropped: list[list[Sample]] = []
+        fresh, rounds = samples, 0
+        while True:
+            for group in by_group(fresh):
+                (kept if informative(group) else dropped).append(group)
+            missing = count - len(kept)
+            if missing <= 0 or rounds == self.max_rounds:
+                break
+            rounds += 1
+            fresh = more(missing)
+        topped = dropped[: max(missing, 0)]
+        self.dropped += len(dropped) - len(topped)
+        self.rounds += rounds
+        self.topped_up += len(topped)
+        return [s for group in kept[:count] + topped for s in group]
+
+    def take(self) -> dict[str, float]:
+        """`dynamic/{dropped_groups,resample_rounds,topped_up_groups}` since the last call."""
+        out = {
+            "dynamic/dropped_groups": float(self.dropped),
+            "dynamic/resample_rounds": float(self.rounds),
+            "dynamic/topped_up_groups": float(self.topped_up),
+        }
+        self.dropped = self.rounds = self.topped_up = 0
+        return out
+
+
 @dataclass
 class Collector:
     engine: RolloutEngine
@@ -42,6 +112,7 @@ class Collector:
     # (texts, problems) -> rewards: grades the samples a round finished in one call, so the
     # grader can compare slow answers in parallel and under one budget; None: `reward` each
     reward_many: Callable[[list[str], list[Any]], list[float]] | None = None
+    dynamic: DynamicSampling | None = None  # algo.dynamic_sampling: see `collect`
     next_group: int = 0
     generated_tokens: int = 0
     # |trainer - engine| log-prob over the engine-scored tokens since the last take_mismatch():
@@ -119,3 +190,15 @@ class Collector:
         samples = self.start(problems)
         self.advance(samples)
         return samples
+
+    def collect(self, draw: Callable[[int], list[Any]], count: int) -> list[Sample]:
+        """`count` prompt groups from `draw`, completed: one step's batch. With `dynamic`, groups
+        whose rewards are all equal are replaced by new prompts (`DynamicSampling.fill`)."""
+        samples = self.complete(draw(count))
+        if self.dynamic is None:
+            return samples
+        return self.dynamic.fill(samples, lambda k: self.complete(draw(k)), count)
+
+    def take_dynamic(self) -> dict[str, float]:
+        """The dynamic-sampling counters of the step (empty without dynamic sampling)."""
+        return {} if self.dynamic is None else self.dynamic.take()

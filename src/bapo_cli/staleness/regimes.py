@@ -193,7 +193,7 @@ class Reuse(Regime):
             )
 
     def next_batch(self) -> list[Sample]:
-        return self.collector.complete(self.draw(self.prompts_per_step))
+        return self.collector.collect(self.draw, self.prompts_per_step)
 
     def split(self, samples: list[Sample]) -> list[list[Sample]]:
         return split_groups(samples, self.updates_per_batch(self.k))
@@ -209,7 +209,7 @@ class Replay(Regime):
         return f"replay: train on rollouts generated {k} policy versions ago"
 
     def next_batch(self) -> list[Sample]:
-        fresh = self.collector.complete(self.draw(self.prompts_per_step))
+        fresh = self.collector.collect(self.draw, self.prompts_per_step)
         self.buffer.append(fresh)
         old = self.buffer.popleft() if len(self.buffer) > self.k else []
         return fresh + old
@@ -232,6 +232,13 @@ class Partial(Regime):
 
     @classmethod
     def check_run(cls, cfg: TrainConfig) -> None:
+        if cfg.algo.dynamic_sampling:
+            raise ConfigError(
+                "algo.dynamic_sampling",
+                True,
+                "refills whole rollout batches, which partial rollouts (groups finishing over "
+                "several steps) do not make: use staleness.regime=reuse, replay or async",
+            )
         if cfg.trainer.strategy == "fsdp2":
             raise ConfigError(
                 "trainer.strategy",
@@ -275,8 +282,8 @@ class Async(Regime):
 
     def next_batch(self) -> list[Sample]:
         while len(self.queue) < self.k:  # pipeline fill: k batches from the first weights
-            self.queue.append(self.collector.complete(self.draw(self.prompts_per_step)))
-        self.queue.append(self.collector.complete(self.draw(self.prompts_per_step)))
+            self.queue.append(self.collector.collect(self.draw, self.prompts_per_step))
+        self.queue.append(self.collector.collect(self.draw, self.prompts_per_step))
         return self.queue.popleft()
 
     def state_dict(self) -> dict[str, Any]:

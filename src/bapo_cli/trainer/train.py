@@ -35,11 +35,12 @@ from rich.console import Console
 
 from bapo_cli.algos import advantages as adv_registry
 from bapo_cli.algos.bounds import rho_from_sums
+from bapo_cli.algos.shaping import overlong_penalty
 from bapo_cli.config.schema import TrainConfig
 from bapo_cli.evaluation import evaluate
 from bapo_cli.models import loading as models
 from bapo_cli.rollout.base import Sample, SamplingParams, make_engine, resolve_engine_name
-from bapo_cli.rollout.collect import Collector
+from bapo_cli.rollout.collect import Collector, DynamicSampling
 from bapo_cli.staleness.regimes import REGIMES, Regime, make_regime
 from bapo_cli.tracking import describe_failure, flatten, make_tracker, redact
 from bapo_cli.trainer import checkpoint, distributed
@@ -257,7 +258,7 @@ def _build(
         prompts=prompts,
         engine_name=engine_name,
         engine=engine,
-        spec=loss_spec(cfg.algo),
+        spec=loss_spec(cfg.algo, max_tokens=cfg.rollout.max_tokens),
         optimizer=optimizer,
         scheduler=scheduler,
         last_ckpt=resume_from,
@@ -271,6 +272,7 @@ def _build(
         reward=prompts.reward,
         score=run.score,
         reward_many=prompts.reward_many,
+        dynamic=DynamicSampling(cfg.algo.resample_rounds) if cfg.algo.dynamic_sampling else None,
     )
     run.regime = make_regime(
         cfg.staleness.regime,
@@ -492,18 +494,33 @@ def _train_step(run: Run) -> dict[str, float]:
         searched=run.spec.searches_bounds,
     )
     metrics.update(run.collector.take_mismatch())  # rollout/logprob_abs_diff_* (engine)
+    metrics.update(run.collector.take_dynamic())  # dynamic/* (algo.dynamic_sampling)
+    if "overlong_penalty_mean" in adv_stats:
+        metrics["reward/overlong_penalty_mean"] = adv_stats["overlong_penalty_mean"]
     run.updates += update_metrics
     run.batch = batch
     return metrics
 
 
 def _advantages(cfg: TrainConfig, batch: list[Sample]) -> dict[str, Any]:
-    """Each sample's advantage (algo.advantage over its prompt group); the estimator's stats."""
-    rewards = torch.tensor([s.reward for s in batch], dtype=torch.float64)
+    """Each sample's advantage (algo.advantage over its prompt group, of the reward plus DAPO's
+    overlong penalty under algo.overlong_buffer > 0); the estimator's stats (with the mean
+    penalty as `overlong_penalty_mean` when shaping is on)."""
+    algo = cfg.algo
+    penalties = [
+        overlong_penalty(
+            len(s.response_ids), cfg.rollout.max_tokens, algo.overlong_buffer, algo.overlong_penalty
+        )
+        for s in batch
+    ]
+    shaped = [s.reward + p for s, p in zip(batch, penalties, strict=True)]
+    rewards = torch.tensor(shaped, dtype=torch.float64)
     groups = torch.tensor([s.group for s in batch])
-    adv, adv_stats = adv_registry.REGISTRY.get(cfg.algo.advantage)(rewards, groups)
+    adv, adv_stats = adv_registry.REGISTRY.get(algo.advantage)(rewards, groups)
     for s, a in zip(batch, adv.tolist(), strict=True):
         s.advantage = a
+    if algo.overlong_buffer > 0:
+        adv_stats["overlong_penalty_mean"] = sum(penalties) / max(len(penalties), 1)
     return adv_stats
 
 

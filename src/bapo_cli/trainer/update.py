@@ -48,6 +48,9 @@ class LossSpec:
     params: dict[str, Any]  # the loss's keyword arguments (its params' fields, dual_clip, agg)
     bound_scope: str = "minibatch"  # a bound-searching loss: per optimizer step or micro-batch
     kl_coef: float = 0.0
+    # the constant of agg=seq-mean-token-sum-norm (Dr. GRPO): the response budget; None = the
+    # widest micro-batch of the update
+    norm_len: float | None = None
 
     @property
     def searches_bounds(self) -> bool:
@@ -62,9 +65,10 @@ class LossSpec:
         return BoundSearch(**{name: self.params[name] for name in names})
 
 
-def loss_spec(algo: Any) -> LossSpec:
+def loss_spec(algo: Any, max_tokens: int | None = None) -> LossSpec:
     """Algo config dataclass → LossSpec, for any registered loss: the fields of the loss's params
-    dataclass are read from the config by name (validated there), plus the shared options."""
+    dataclass are read from the config by name (validated there), plus the shared options.
+    `max_tokens` (rollout.max_tokens) is Dr. GRPO's constant normaliser (`LossSpec.norm_len`)."""
     entry = losses.REGISTRY.get(algo.loss)
     params = entry.read_params(algo)
     return LossSpec(
@@ -72,6 +76,7 @@ def loss_spec(algo: Any) -> LossSpec:
         {"dual_clip": algo.dual_clip, "agg": algo.agg, **entry.loss_kwargs(params)},
         bound_scope=params.bound_scope if entry.searches_bounds else "minibatch",
         kl_coef=float(getattr(algo, "kl_coef", 0.0)),
+        norm_len=None if max_tokens is None else float(max_tokens),
     )
 
 
@@ -85,7 +90,7 @@ def solve_bounds(
     """BAPO's per-update search over every token of the mini-batch (one extra no-grad forward),
     summed over the ranks of `group`."""
     search = spec.search
-    acc = search.accumulator()
+    acc = search.accumulator(spec.params["dual_clip"])
     with torch.no_grad():
         for mb in micro:
             logp, _ = token_logprobs(model, mb, temperature)
@@ -103,6 +108,7 @@ def _search_inputs(logp: Tensor, mb: MicroBatch, spec: LossSpec) -> dict[str, Te
         mb.mask,
         dual_clip=spec.params["dual_clip"],
         weighting=spec.search.weighting,
+        rule=spec.search.rule,
     )
 
 
@@ -148,7 +154,10 @@ def optimizer_update(
     tokens = sum(mb.num_tokens for mb in micro)
     seqs = sum(len(mb.samples) for mb in micro)
     all_tokens, all_seqs = ctx.sum([float(tokens), float(seqs)])
-    (norm_len,) = ctx.max([float(max(mb.mask.shape[1] for mb in micro))])
+    if spec.norm_len is not None:  # a constant: the same on every rank and every update
+        norm_len = spec.norm_len
+    else:
+        (norm_len,) = ctx.max([float(max(mb.mask.shape[1] for mb in micro))])
     w = float(ctx.world_size)  # DDP averages gradients over ranks: divide by all tokens / W
     norm = {
         "global_tokens": max(all_tokens, 1.0) / w,
@@ -250,7 +259,7 @@ def _single_pass_bounds(
 ) -> BapoBounds:
     """One micro-batch is the whole mini-batch: search on the forward we back-propagate."""
     search = spec.search
-    acc = search.accumulator()
+    acc = search.accumulator(spec.params["dual_clip"])
     acc.add(**_search_inputs(logp, mb, spec))
     return acc.solve(search.rho0, group=group)
 
