@@ -170,3 +170,6 @@ def test_comparisons_match_the_baseline_within_each_facet_value(tmp_path: Path) 
     assert rows[1][diff] == "+0.010"
     with pytest.raises(report.ReportError, match="--baseline algo=ppo: no group has it"):
         report.comparisons_table(runs, "algo=ppo", "experiment")
+    # the baseline is itself a facet value: nothing shares a column with it, said in one line
+    with pytest.raises(report.ReportError, match="no other group shares a --facet experiment"):
+        report.comparisons_table(runs, "experiment=reuse8", "experiment")

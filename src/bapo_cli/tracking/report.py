@@ -298,6 +298,12 @@ def comparisons_table(
             diff = sum(a) / len(a) - sum(b) / len(b)
             row += [f"{diff:+.3f}", f"{permutation_p(a, b):.3f}"]
         rows.append(row)
+    if not rows:
+        raise ReportError(
+            f"--baseline {baseline}: no other group shares a --facet {facet} value with it"
+            if facet
+            else f"--baseline {baseline}: every group has it; nothing to compare"
+        )
     if facet is None:
         header, rows = header[1:], [r[1:] for r in rows]
     return header, rows
