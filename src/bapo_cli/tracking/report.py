@@ -268,6 +268,11 @@ def comparisons_table(
 ) -> tuple[list[str], list[list[str]]]:
     """Each group against the baseline group (the one whose label holds the override
     `baseline`) with the same facet value: seeds, mean difference and permutation p per outcome."""
+    if facet is not None and baseline.partition("=")[0].lstrip("+") == facet:
+        raise ReportError(
+            f"--baseline {baseline}: compares groups within one --facet {facet} value, so it "
+            "must set another key (e.g. algo=grpo), or drop --facet"
+        )
     by_group: dict[tuple[str, str], list[RunData]] = {}
     for run in runs:
         by_group.setdefault((_facet_value(run, facet), run.group), []).append(run)
@@ -299,11 +304,7 @@ def comparisons_table(
             row += [f"{diff:+.3f}", f"{permutation_p(a, b):.3f}"]
         rows.append(row)
     if not rows:
-        raise ReportError(
-            f"--baseline {baseline}: no other group shares a --facet {facet} value with it"
-            if facet
-            else f"--baseline {baseline}: every group has it; nothing to compare"
-        )
+        raise ReportError(f"--baseline {baseline}: every group has it; nothing to compare")
     if facet is None:
         header, rows = header[1:], [r[1:] for r in rows]
     return header, rows
