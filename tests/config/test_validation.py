@@ -34,7 +34,7 @@ RULES = [
     (["algo=clip_higher", "algo.eps_high=0"], "algo.eps_high=0", "> 0"),
     (["algo=grpo", "algo.rho0=0.3"], "algo.rho0", "unknown key"),
     (["staleness.k=-1"], "staleness.k=-1", ">= 0"),
-    (["staleness.regime=lag"], "staleness.regime=lag", "reuse, replay, partial, async"),
+    (["staleness.regime=bogus"], "staleness.regime=bogus", "reuse, replay, partial, lag, async"),
     (["staleness=0", "staleness.regime=replay"], "staleness.regime=replay", "staleness.k >= 1"),
     (["staleness.ppo_epochs=0"], "staleness.ppo_epochs=0", "> 0"),
     (["rollout.n=0"], "rollout.n=0", ">= 1"),

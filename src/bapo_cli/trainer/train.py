@@ -41,6 +41,7 @@ from bapo_cli.models import loading as models
 from bapo_cli.rollout.base import Sample, SamplingParams, make_engine, resolve_engine_name
 from bapo_cli.rollout.collect import Collector
 from bapo_cli.staleness.regimes import REGIMES, Regime, make_regime
+from bapo_cli.staleness.worker import WorkerError
 from bapo_cli.tracking import describe_failure, flatten, make_tracker, redact
 from bapo_cli.trainer import checkpoint, distributed
 from bapo_cli.trainer.policy import (
@@ -175,8 +176,12 @@ def train(
         tracker.log_metrics(_validate(run), step=0)
     status = "FAILED"
     try:
+        # async: the generation worker starts from the weights and version training resumes at
+        run.regime.start(cfg, run.model, run.state.version)
         _loop(run, tracker)
         status = "FINISHED"
+    except WorkerError as err:
+        raise TrainingError(str(err)) from err
     finally:
         _close(run, tracker, status)
     console.print(summary_table(run.state.history, run_dir, cfg.tracking.uri, tracker.run_id))
@@ -335,6 +340,11 @@ def _check_parallel(cfg: TrainConfig, ctx: distributed.DistContext) -> None:
     """What data parallelism needs: equal shares of whole prompt groups on every rank."""
     if not ctx.enabled:
         return
+    if not REGIMES.get(cfg.staleness.regime).data_parallel:
+        raise TrainingError(
+            f"staleness.regime={cfg.staleness.regime} trains in one process: run it without "
+            "--nproc / torchrun"
+        )
     per_batch = REGIMES.get(cfg.staleness.regime).updates_per_batch(cfg.staleness.k)
     parts = ctx.world_size * per_batch
     if cfg.trainer.prompts_per_step % parts:
@@ -425,6 +435,7 @@ def _validate(run: Run) -> dict[str, float]:
 def _close(run: Run, tracker: Any, status: str) -> None:
     """The samples file to MLflow, the run closed with `status`, engine, graders and process
     group stopped."""
+    run.regime.close()  # first: an async generation worker must not outlive a failure below
     samples_file = run.run_dir / "samples.jsonl"
     if samples_file.exists() and run.ctx.is_main:
         tracker.log_artifact(samples_file)
@@ -474,6 +485,9 @@ def _train_step(run: Run) -> dict[str, float]:
     with run.ctx.gathered(run.scorer):  # FSDP2: an engine with its own copy reads full weights
         policy = getattr(run.scorer, "module", run.scorer).model
         sync_s = run.engine.sync_weights(policy, run.state.version)
+        t2 = time.perf_counter()
+        run.regime.publish(policy, run.state.version)  # async: into the worker's shared memory
+        sync_s += time.perf_counter() - t2
     step_s = time.perf_counter() - t0
     if run.ctx.is_main:
         samples_file = run.run_dir / "samples.jsonl"
@@ -708,6 +722,7 @@ def _write_samples(path: Path, step: int, batch: list[Sample], count: int) -> No
             record = {
                 "step": step,
                 "id": getattr(s.problem, "id", None),
+                "group": s.group,  # the prompt group: unique per prompt drawn in this run
                 "prompt": getattr(s.problem, "question", None),
                 "response": s.text,
                 "reward": s.reward,
