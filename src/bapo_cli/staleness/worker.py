@@ -7,6 +7,10 @@ holds the GIL between kernels; two processes with one core each really run at th
     trainer ──units of started samples──▶ requests ─▶ worker: load newest weights, generate,
             ◀──────units of sampled samples─ results ◀─        score with those same weights
 
+`requests` is a multiprocessing Queue (its feeder thread never blocks the trainer); `results` is a
+one-way pipe whose write end only the worker holds, so a worker that dies, even halfway through
+sending a unit, is an end-of-file for the trainer, never a read that waits forever.
+
 Weights travel through shared memory, not through the queues: the trainer copies its parameters
 into tensors made with `share_memory_()` under a lock and bumps a version counter (`publish`,
 milliseconds for the tiny model, and training never waits for the worker); the worker copies them
@@ -17,7 +21,8 @@ its own samples with those weights: the behaviour log-probs are the behaviour po
 Which units the worker may start is decided by the trainer (`AsyncRL._admit`, AReaL's rule); the
 worker only takes what it is given, in order.
 
-Shutdown: `close()` sends a stop request, waits briefly, then terminates and kills. A worker
+Shutdown: `close()` sends a stop request, then SIGTERM, then SIGKILL (the worker holds nothing
+worth saving, and may be blocked sending units generated ahead that nobody will read). A worker
 whose trainer dies without cleaning up (kill -9) dies with it: Linux's parent-death signal
 (`prctl(PR_SET_PDEATHSIG)`) kills it at once, and where that is missing it notices the new parent
 process id within half a second while it waits for work.
@@ -34,7 +39,6 @@ import ctypes
 import os
 import queue
 import signal
-import time
 import traceback
 from dataclasses import dataclass, fields, replace
 from functools import partial
@@ -83,15 +87,16 @@ class GenerationWorker:
         self.version = ctx.Value("q", version, lock=False)  # guarded by self.lock
         self.lock = ctx.Lock()
         self.requests = ctx.Queue()
-        self.results = ctx.Queue()
+        self.results, results_end = ctx.Pipe(duplex=False)
         self.proc = ctx.Process(
             target=worker_main,
-            args=(spec, self.shared, self.version, self.lock, self.requests, self.results),
+            args=(spec, self.shared, self.version, self.lock, self.requests, results_end),
             kwargs={"parent_pid": os.getpid()},
             name="bapo-generation",
             daemon=True,  # multiprocessing's exit handler ends it if close() never runs
         )
         self.proc.start()
+        results_end.close()  # the worker's end: once it exits, reads here end instead of waiting
 
     @property
     def pid(self) -> int | None:
@@ -113,14 +118,15 @@ class GenerationWorker:
         WorkerError if the worker failed or died."""
         while True:
             try:
-                kind, payload = self.results.get(timeout=POLL_S)
-            except queue.Empty:
-                if not self.proc.is_alive():
-                    raise WorkerError(
-                        f"the generation worker (pid {self.proc.pid}) exited with code "
-                        f"{self.proc.exitcode} without an error report"
-                    ) from None
-                continue
+                if not self.results.poll(POLL_S):
+                    continue
+                kind, payload = self.results.recv()
+            except (EOFError, OSError):
+                self.proc.join(timeout=5)
+                raise WorkerError(
+                    f"the generation worker (pid {self.proc.pid}) exited with code "
+                    f"{self.proc.exitcode} without an error report"
+                ) from None
             if kind == "error":
                 last = payload.strip().splitlines()[-1] if payload.strip() else "unknown error"
                 raise WorkerError(f"the generation worker failed: {last}")
@@ -132,27 +138,19 @@ class GenerationWorker:
             return
         with contextlib.suppress(Exception):
             self.requests.put(None)
-        deadline = time.monotonic() + wait_s
-        while self.proc.is_alive() and time.monotonic() < deadline:
-            self._drain()  # a worker blocked writing results could not exit
-            self.proc.join(timeout=0.05)
+        self.proc.join(timeout=0.2)  # an idle worker takes the stop request at once
         for stop in (self.proc.terminate, self.proc.kill):
             if not self.proc.is_alive():
                 break
             stop()
             self.proc.join(timeout=wait_s)
-        for q in (self.requests, self.results):
-            q.cancel_join_thread()  # unread items must not hold this process at exit
-            q.close()
+        self.requests.cancel_join_thread()  # unread requests must not hold this process at exit
+        self.requests.close()
+        self.results.close()
         # drop the semaphores now: a traceback that keeps this handle alive until exit would
         # otherwise leave them to the resource tracker, which warns about "leaked" ones
         self.requests = self.results = self.lock = self.version = None
         self.shared = {}
-
-    def _drain(self) -> None:
-        with contextlib.suppress(queue.Empty, OSError, EOFError, ValueError):
-            while True:
-                self.results.get_nowait()
 
 
 # ------------------------------------------------------------------------------ worker side
@@ -181,13 +179,11 @@ def worker_main(
             loaded = generate.refresh(shared, version, lock, loaded)
             torch.manual_seed(unit_seed(spec.seed, unit[0].group))
             generate.collector.advance(unit)
-            results.put(("unit", unit))
+            results.send(("unit", unit))  # waits while the trainer is k units behind
     except BaseException:  # noqa: BLE001  (reported to the trainer, then this process ends)
-        results.put(("error", traceback.format_exc()))
-        results.close()
-        results.join_thread()  # the report must reach the trainer before we exit
+        with contextlib.suppress(OSError):
+            results.send(("error", traceback.format_exc()))
         raise SystemExit(1) from None
-    results.cancel_join_thread()  # units generated ahead that nobody will read
 
 
 @dataclass
