@@ -56,6 +56,7 @@ from bapo_cli.trainer.prompts import PromptStream
 from bapo_cli.trainer.update import (
     RHO_SUMS,
     LossSpec,
+    behaviour_weights,
     loss_spec,
     optimizer_update,
     tis_weights,
@@ -524,7 +525,7 @@ def _advantages(cfg: TrainConfig, batch: list[Sample]) -> dict[str, Any]:
 def _optimize(run: Run, batch: list[Sample]) -> tuple[list[dict[str, float]], int]:
     """One optimizer update per mini-batch, × ppo_epochs; (per-update metrics, tokens trained)."""
     minis = run.layout(batch)  # the tensors the behaviour log-probs were scored on (reuse)
-    recomputed: dict[tuple[int, int], torch.Tensor] = {}
+    recomputed: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor | None]] = {}
     update_metrics: list[dict[str, float]] = []
     trained_tokens = 0
     for i in range(len(minis) * run.cfg.staleness.ppo_epochs):
@@ -554,7 +555,7 @@ def _prepare(
     *,
     first: bool,
     key: tuple[int, int],
-    recomputed: dict[tuple[int, int], torch.Tensor],
+    recomputed: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor | None]],
 ) -> None:
     """A micro-batch's advantages (TIS-weighted per token under rollout.tis_cap) and pi_old."""
     cfg = run.cfg
@@ -564,11 +565,23 @@ def _prepare(
     if first and mb.unscored:  # deferred: scored by this update's forward
         mb.old_is_current = True
     if cfg.rollout.tis_cap is not None:  # engine/trainer mismatch: per-token weights
-        mb.advantages = mb.advantages[:, None] * tis_weights(mb, cfg.rollout.tis_cap)
-    if cfg.trainer.old_logprob == "recompute":  # decoupled PPO: pi_old at first use
-        if key not in recomputed:
-            recomputed[key] = _recompute(run.scorer, mb, cfg.rollout.temperature)
-        mb.old_log_prob = recomputed[key]
+        weights = tis_weights(
+            mb, cfg.rollout.tis_cap, level=cfg.rollout.tis_level, mode=cfg.rollout.tis_mode
+        )
+        mb.advantages = mb.advantages[:, None] * weights
+    if cfg.trainer.old_logprob == "recompute":  # the proximal policy: pi_old at first use
+        cap = getattr(cfg.algo, "behav_weight_cap", None)
+        if key not in recomputed:  # mb.old_log_prob still holds the behaviour log-probs here
+            prox = _recompute(run.scorer, mb, cfg.rollout.temperature)
+            weight = None
+            if cap is not None:  # decoupled PPO: the behaviour correction pi_prox / pi_behav
+                weight = behaviour_weights(prox, mb.old_log_prob, mb.mask, cap)
+            recomputed[key] = (prox, weight)
+        prox, weight = recomputed[key]
+        if weight is not None:
+            adv = mb.advantages if mb.advantages.dim() == 2 else mb.advantages[:, None]
+            mb.advantages = adv * weight
+        mb.old_log_prob = prox
 
 
 def _save(run: Run, tracker: Any) -> None:
