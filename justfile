@@ -37,3 +37,7 @@ bench:
     {{venv}}/python benchmarks/bench_grading.py
     {{venv}}/python benchmarks/bench_rollout.py
     {{venv}}/python benchmarks/bench_train.py
+
+# sync vs real async RL on the tiny model (samples/s, wall time, final reward), e.g. `just bench-async --experiment pairs`
+bench-async *ARGS:
+    {{venv}}/python benchmarks/bench_async.py {{ARGS}}

@@ -65,6 +65,17 @@ def _preflight(config_name: str, overrides: list[str] | None, multirun: bool = F
         raise _fail(str(exc)) from None
 
 
+def _one_process_regime(name: str) -> None:
+    """A regime whose generation lives in a process of its own (async) has no data parallelism."""
+    from bapo_cli.staleness.regimes import REGIMES
+
+    if not REGIMES.get(name).data_parallel:
+        raise _fail(
+            f"--nproc with staleness.regime={name}: that regime trains in one process (its "
+            "generation worker is the second); drop --nproc"
+        )
+
+
 def _launch(config_name: str, overrides: list[str] | None, multirun: bool, task) -> None:
     from bapo_cli.config import hydra_runner
     from bapo_cli.tracking import redact
@@ -135,7 +146,8 @@ def train(
     if nproc >= 1 and "WORLD_SIZE" not in os.environ:
         if multirun:
             raise _fail("--nproc and -m together: run the sweep's jobs one torchrun at a time")
-        _preflight("train", overrides)  # bad input fails here, before N processes start
+        checked = _preflight("train", overrides)  # bad input fails here, before N processes start
+        _one_process_regime(checked.config.staleness.regime)
         command = [
             sys.executable,
             "-m",

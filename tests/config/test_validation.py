@@ -48,7 +48,7 @@ RULES = [
         "staleness.regime=reuse, replay or async",
     ),
     (["staleness.k=-1"], "staleness.k=-1", ">= 0"),
-    (["staleness.regime=lag"], "staleness.regime=lag", "reuse, replay, partial, async"),
+    (["staleness.regime=bogus"], "staleness.regime=bogus", "reuse, replay, partial, lag, async"),
     (["staleness=0", "staleness.regime=replay"], "staleness.regime=replay", "staleness.k >= 1"),
     (["staleness.ppo_epochs=0"], "staleness.ppo_epochs=0", "> 0"),
     (["rollout.n=0"], "rollout.n=0", ">= 1"),

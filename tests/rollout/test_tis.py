@@ -36,6 +36,26 @@ def test_tis_weight_is_the_truncated_trainer_to_engine_ratio() -> None:
     assert not w.requires_grad
 
 
+def test_sequence_level_and_masked_weights() -> None:
+    a = sample([-1.0, -2.0, -0.5], [-1.0, -3.0, -0.25])  # token ratios 1, e, e^-0.25
+    b = sample([-0.1, -0.2], [-0.3, -0.2])  # e^0.2, 1
+    mb = collate([a, b], pad_id=0, device=torch.device("cpu"))
+    seq_a, seq_b = math.exp(0.75), math.exp(0.2)  # products of each sequence's ratios
+    # sequence-level TIS: one weight per sequence, truncated at the cap; padding weighs 1
+    w = tis_weights(mb, cap=3.0, level="sequence")
+    torch.testing.assert_close(w, torch.tensor([[seq_a, seq_a, seq_a], [seq_b, seq_b, 1.0]]))
+    w = tis_weights(mb, cap=1.5, level="sequence")
+    torch.testing.assert_close(w, torch.tensor([[1.5, 1.5, 1.5], [seq_b, seq_b, 1.0]]))
+    # MIS: over the cap means weight 0, per token or for the whole sequence
+    w = tis_weights(mb, cap=2.0, mode="mask")
+    expected = torch.tensor([[1.0, 0.0, math.exp(-0.25)], [seq_b, 1.0, 1.0]])
+    torch.testing.assert_close(w, expected)
+    w = tis_weights(mb, cap=3.0, level="sequence", mode="mask")
+    torch.testing.assert_close(w, torch.tensor([[seq_a, seq_a, seq_a], [seq_b, seq_b, 1.0]]))
+    w = tis_weights(mb, cap=1.5, level="sequence", mode="mask")
+    torch.testing.assert_close(w, torch.tensor([[0.0, 0.0, 0.0], [seq_b, seq_b, 1.0]]))
+
+
 def test_tokens_without_engine_logprobs_weigh_one() -> None:
     mb = collate([sample([-1.0, -2.0], [])], pad_id=0, device=torch.device("cpu"))
     assert torch.equal(tis_weights(mb, cap=1.5), torch.ones(1, 2))

@@ -72,7 +72,7 @@ def test_a_registered_regime_validates_by_its_own_rules_and_describes_itself(hal
         "staleness.regime=halves: needs staleness.k >= 1 (k=0 is on-policy: use reuse)"
     )
     # the valid names are the registry's, in registration order
-    assert _error("staleness.regime=lag").endswith("reuse, replay, partial, async, halves")
+    assert _error("staleness.regime=bogus").endswith("reuse, replay, partial, lag, async, halves")
 
 
 def test_a_registered_regime_trains_with_its_own_update_count(tmp_path, halves) -> None:

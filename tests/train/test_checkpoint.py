@@ -274,7 +274,7 @@ def test_disk_full_simulated_where_no_tmpfs_can_be_mounted(
     assert [p.name for p in root.iterdir()] == ["step_000001"]
 
 
-@pytest.mark.parametrize("regime", ["replay", "async", "partial"])
+@pytest.mark.parametrize("regime", ["replay", "lag", "partial"])
 def test_resume_with_samples_in_the_regime_buffers_is_bit_identical(
     tmp_path: Path, regime: str
 ) -> None:

@@ -84,7 +84,7 @@ def test_on_policy_update_has_ratio_exactly_one(tmp_path, dtype) -> None:
         ("reuse", 4, [3, 3, 3]),  # 4 updates per batch: 0, 1, 2, 3 versions stale
         ("reuse", 0, [0, 0, 0]),
         ("replay", 2, [0, 0, 2, 2]),  # the batch of 2 steps ago joins from step 2 on
-        ("async", 2, [0, 1, 2, 2]),  # trains on weights of step t - 2 (queue filled at step 0)
+        ("lag", 2, [0, 1, 2, 2]),  # trains on weights of step t - 2 (queue filled at step 0)
     ],
 )
 def test_each_regime_has_the_staleness_it_claims(tmp_path, regime, k, expected_max) -> None:
@@ -157,11 +157,11 @@ def test_validation_during_training_logs_val_metrics(tmp_path) -> None:
 
 
 def test_recompute_old_logprob_makes_the_first_update_on_stale_data_ratio_one(tmp_path) -> None:
-    # async data is 1 version stale; decoupled PPO re-scores pi_old when the batch is first used
+    # lag data is 1 version stale; decoupled PPO re-scores pi_old when the batch is first used
     result = run_train(
         tmp_path,
         "staleness=1",
-        "staleness.regime=async",
+        "staleness.regime=lag",
         "trainer.max_steps=3",
         "trainer.old_logprob=recompute",
     )

@@ -166,6 +166,12 @@ class AlgoConfig:
     overlong_penalty: float = opt(
         1.0, "overlong_buffer > 0: reward subtracted from a response that fills the budget"
     )
+    behav_weight_cap: float | None = opt(
+        None,
+        "decoupled PPO (needs trainer.old_logprob=recompute): the loss clips around the "
+        "recomputed proximal policy and weights each token by pi_prox / pi_behav; tokens whose "
+        "weight exceeds the cap are dropped (AReaL); null = no behaviour weight",
+    )
 
     def check(self) -> None:
         _positive("kl_coef", self.kl_coef, allow_zero=True)
@@ -173,6 +179,10 @@ class AlgoConfig:
         if not 0.0 <= self.overlong_buffer < 1.0:
             raise ConfigError("overlong_buffer", self.overlong_buffer, "must be within [0, 1)")
         _positive("overlong_penalty", self.overlong_penalty, allow_zero=True)
+        if self.behav_weight_cap is not None and not self.behav_weight_cap >= 1.0:
+            raise ConfigError(
+                "behav_weight_cap", self.behav_weight_cap, "must be >= 1 (or null to disable)"
+            )
         _one_of("loss", self.loss, _registry_keys("losses"))
         _one_of("advantage", self.advantage, _registry_keys("advantages"))
         _one_of("agg", self.agg, _aggregations())
@@ -407,6 +417,8 @@ MAX_GRADER_WORKERS = 64  # each is a Python process holding sympy (~150 MB)
 # ------------------------------------------------------------------------------------- rollout
 
 ENGINES = ("auto", "hf", "vllm")
+TIS_LEVELS = ("token", "sequence")
+TIS_MODES = ("truncate", "mask")
 
 
 @dataclass
@@ -429,6 +441,16 @@ class RolloutConfig:
         "truncated importance sampling: weight each token by min(pi_trainer / pi_engine, cap), "
         "correcting the engine/trainer numerical mismatch (vllm; not staleness); null = off",
     )
+    tis_level: str = opt(
+        "token",
+        "rollout.tis_cap per token, or per sequence (one weight: the product of its tokens' "
+        "ratios)",
+    )
+    tis_mode: str = opt(
+        "truncate",
+        "truncate: weights above rollout.tis_cap become the cap (TIS); mask: tokens (or whole "
+        "sequences, tis_level=sequence) above it get weight 0 (MIS)",
+    )
 
     def check(self) -> None:
         _one_of("name", self.name, ENGINES)
@@ -447,6 +469,8 @@ class RolloutConfig:
         _positive("tensor_parallel_size", self.tensor_parallel_size)
         if self.tis_cap is not None and not self.tis_cap >= 1.0:
             raise ConfigError("tis_cap", self.tis_cap, "must be >= 1 (or null to disable)")
+        _one_of("tis_level", self.tis_level, TIS_LEVELS)
+        _one_of("tis_mode", self.tis_mode, TIS_MODES)
 
 
 # ------------------------------------------------------------------------------ tracking/paths
@@ -518,7 +542,9 @@ class TrainerConfig:
     old_logprob: str = opt(
         "behaviour",
         "ratio denominator: behaviour (log-prob recorded when the token was sampled) or "
-        "recompute (decoupled PPO: pi_old re-scored by the trainer when the batch is first used)",
+        "recompute (pi_old re-scored by the current weights when the batch is first used: the "
+        "proximal policy of decoupled PPO; without algo.behav_weight_cap the behaviour policy's "
+        "correction is dropped)",
     )
     log_samples: int = opt(
         4, "samples per step written to samples.jsonl (prompt, response, reward)"
@@ -638,6 +664,26 @@ class TrainConfig:
                 self.rollout.n,
                 f"algo.advantage={self.algo.advantage} compares samples of one prompt: needs >= 2",
             )
+        cap = self.algo.behav_weight_cap
+        if cap is not None and self.trainer.old_logprob != "recompute":
+            raise ConfigError(
+                "algo.behav_weight_cap",
+                cap,
+                "needs trainer.old_logprob=recompute (the proximal policy it divides by)",
+            )
+        truncated = self.rollout.top_p < 1.0 or self.rollout.top_k > 0
+        for key, value in (
+            ("rollout.tis_cap", self.rollout.tis_cap),
+            ("algo.behav_weight_cap", cap),
+        ):
+            if truncated and value is not None:
+                raise ConfigError(
+                    key,
+                    value,
+                    "is an importance weight over the trainer's log-probs, which are on the full "
+                    "distribution while rollout.top_p < 1 / top_k > 0 truncate sampling (biased): "
+                    "use top_p=1 and top_k=-1, or null",
+                )
         _regime(self.staleness.regime).check_run(self)  # the regime's rules across groups
 
 

@@ -106,8 +106,10 @@ class Collector:
     tokenizer: Any
     params: SamplingParams
     n: int  # samples per prompt
-    encode: Callable[[Any], list[int]]  # problem -> prompt token ids
-    reward: Callable[[str, Any], float]  # (response text, problem) -> reward
+    encode: Callable[[Any], list[int]] | None  # problem -> prompt token ids (None: no `start`)
+    # (response text, problem) -> reward; None (and no reward_many): `advance` leaves samples
+    # ungraded, for `grade` elsewhere (async: the trainer grades what its worker generated)
+    reward: Callable[[str, Any], float] | None
     score: Callable[[list[Sample]], None]  # records behaviour log-probs of unscored tokens
     # (texts, problems) -> rewards: grades the samples a round finished in one call, so the
     # grader can compare slow answers in parallel and under one budget; None: `reward` each
@@ -164,10 +166,16 @@ class Collector:
                 diffs = [abs(a - b) for a, b in zip(trainer, gen.logprobs, strict=False)]
                 total, peak, count = self._mismatch
                 self._mismatch = [total + sum(diffs), max([peak, *diffs]), count + len(diffs)]
-        finished = [s for s in todo if s.done]
+        if self.reward is not None or self.reward_many is not None:
+            self.grade([s for s in todo if s.done])
+
+    def grade(self, finished: Sequence[Sample]) -> None:
+        """Text and reward of finished samples (all in one `reward_many` call when given)."""
         for s in finished:
             s.text = self.tokenizer.decode(s.response_ids, skip_special_tokens=True)
-        if self.reward_many is not None and finished:
+        if not finished:
+            return
+        if self.reward_many is not None:
             rewards = self.reward_many([s.text for s in finished], [s.problem for s in finished])
         else:
             rewards = [self.reward(s.text, s.problem) for s in finished]

@@ -10,14 +10,15 @@ the version that sampled it, so the staleness each update sees is measured, not 
                last k − 1 versions stale.
 - replay  (k): each step trains on its fresh batch together with the batch generated k versions
                (steps) ago, kept in a buffer: tokens 0 and k versions old, half and half.
-- async   (k): generation runs k versions ahead of training, simulated in one process: a queue of
+- lag     (k): generation runs k versions ahead of training, simulated in one process: a queue of
                k batches (filled at version 0), each step generates one batch and trains on the
-               oldest, which came from the weights of step t − k.
+               oldest, which came from the weights of step t − k. Same staleness as async, none
+               of its speed (generation and training still take turns); deterministic.
 - partial (k): generation has a token budget per round of ceil(max_tokens / (k + 1)); unfinished
                responses wait in a pool and are continued by newer weights, so one response may
                span up to k + 1 versions; each step trains on the groups that finished.
 
-replay, async and partial make one update per step (× ppo_epochs).
+replay, lag and partial make one update per step (× ppo_epochs).
 
 A regime class owns everything about it: how many optimizer updates a rollout batch makes
 (`updates_per_batch`, for the LR schedule and the data-parallel split), whether the first update
@@ -122,6 +123,8 @@ class Regime:
     # the first mini-batch is trained right away by the weights that sampled it, so its behaviour
     # log-probs may come from that update's own forward instead of a scoring pass
     defer_first: ClassVar[bool] = False
+    # runs under torchrun data parallelism (False: generation lives in a process of its own)
+    data_parallel: ClassVar[bool] = True
 
     @classmethod
     def updates_per_batch(cls, k: int) -> int:
@@ -157,6 +160,18 @@ class Regime:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         pass
+
+    # A regime that generates outside the training loop (async) starts, feeds and stops its
+    # generator through these three; the others generate inside `next_batch` and need none.
+
+    def start(self, cfg: TrainConfig, model: Any, version: int) -> None:
+        """Before the first step (after any resume): `model` holds the weights of `version`."""
+
+    def publish(self, model: Any, version: int) -> None:
+        """After each step's updates: the trainer's weights are now `version`."""
+
+    def close(self) -> None:
+        """When training ends, normally or not."""
 
 
 @regime("reuse")
@@ -271,14 +286,16 @@ class Partial(Regime):
         self.pool = [sample_from_state(s) for s in state["pool"]]
 
 
-@regime("async")
+@regime("lag")
 @dataclass
-class Async(Regime):
+class Lag(Regime):
     queue: deque = field(default_factory=deque)
 
     @classmethod
     def describe(cls, k: int, epochs: int) -> str:
-        return f"async: generation runs {k} policy versions ahead of training"
+        return (
+            f"lag: trains on rollouts of the weights {k} steps back (simulated async, one process)"
+        )
 
     def next_batch(self) -> list[Sample]:
         while len(self.queue) < self.k:  # pipeline fill: k batches from the first weights
@@ -291,6 +308,166 @@ class Async(Regime):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.queue = _batches_from_state(state["queue"])
+
+
+def admission_capacity(
+    *, k: int, version: int, batch: int, accepted: int, running: int, max_concurrent: int
+) -> int:
+    """AReaL's admission rule: how many more rollouts (prompt groups) may start now so that none
+    is trained more than k versions after the version it started at.
+
+    Batches of `batch` rollouts are trained in start order, one version per batch, so the rollout
+    numbered r (0-based) is trained at version r // batch. Started at `version`, it is at most k
+    versions stale iff r // batch <= version + k, i.e. r < (k + version + 1) * batch; the next
+    number is r = accepted + running. `max_concurrent` caps what may be in flight at once."""
+    return min(max_concurrent - running, (k + version + 1) * batch - (accepted + running))
+
+
+@regime("async")
+@dataclass
+class AsyncRL(Regime):
+    """Real asynchronous RL: a worker process (bapo_cli.staleness.worker) generates while this
+    process trains, at most k versions ahead.
+
+    Units: the worker generates one step's prompts (`prompts_per_step` groups) per unit, so the
+    sampling seed and batch composition are fixed by the data order; which weights a unit is
+    sampled with depends on timing (the newest published when the worker starts it), and is
+    recorded per token. Admission (`admission_capacity`) is counted in groups with version = the
+    steps trained (one update per step); the queue in front of the worker never holds more than
+    k + 1 units, so max_concurrent = (k + 1) * prompts_per_step.
+
+    Resume: `state_dict` keeps the units submitted but not yet trained (their prompts and group
+    ids, not what the worker made of them); a resumed run submits those again first and then
+    continues the prompt stream, so every prompt group is trained exactly once and none is
+    skipped; the regenerated samples come from the resumed weights.
+    """
+
+    pending: deque = field(default_factory=deque)  # units submitted, not yet trained on, in order
+    resubmit: list = field(default_factory=list)  # after a resume: units to generate again first
+    consumed: int = 0  # units trained on = steps
+    worker: Any = None
+    _threads: int | None = None  # this process's torch threads before start (restored on close)
+
+    data_parallel: ClassVar[bool] = False
+
+    @classmethod
+    def describe(cls, k: int, epochs: int) -> str:
+        return (
+            f"async: a worker process generates while training runs, at most {k} policy "
+            "versions ahead (AReaL's admission rule)"
+        )
+
+    @classmethod
+    def check(cls, k: int, epochs: int) -> None:
+        super().check(k, epochs)
+        if epochs != 1:
+            raise ConfigError(
+                "ppo_epochs",
+                epochs,
+                "staleness.regime=async makes one update per batch: needs ppo_epochs=1",
+            )
+
+    @classmethod
+    def check_run(cls, cfg: TrainConfig) -> None:
+        if cfg.rollout.name == "vllm":
+            raise ConfigError(
+                "rollout.name",
+                "vllm",
+                "staleness.regime=async generates with the transformers engine in a CPU worker "
+                "process: use rollout=hf (or auto)",
+            )
+        if cfg.trainer.strategy == "fsdp2":
+            raise ConfigError(
+                "trainer.strategy",
+                cfg.trainer.strategy,
+                "staleness.regime=async trains in one process (no torchrun): use ddp without "
+                "--nproc",
+            )
+        if cfg.model.device == "cuda":
+            raise ConfigError(
+                "model.device",
+                cfg.model.device,
+                "staleness.regime=async runs on CPU only (the CUDA path is described in "
+                "docs/engines.md, not built): use model.device=cpu",
+            )
+
+    def start(self, cfg: TrainConfig, model: Any, version: int) -> None:
+        import torch
+
+        from bapo_cli.staleness.worker import GenerationWorker, WorkerError, WorkerSpec
+
+        first = next(model.parameters())
+        if first.device.type != "cpu":
+            raise WorkerError(
+                f"staleness.regime=async runs on CPU only; the policy is on {first.device} "
+                "(model.device=cpu; the CUDA path is described in docs/engines.md)"
+            )
+        self._threads = torch.get_num_threads()
+        threads = max(1, self._threads // 2)  # the cores this run was given, half each
+        torch.set_num_threads(threads)
+        spec = WorkerSpec(
+            model=cfg.model,
+            dtype=first.dtype,
+            autocast=getattr(self.collector.engine, "autocast", None),
+            params=self.collector.params,
+            micro_batch_size=cfg.trainer.micro_batch_size,
+            seed=self.collector.params.seed or 0,
+            threads=threads,
+        )
+        self.worker = GenerationWorker(spec, model, version)
+        self._admit()
+
+    def _admit(self) -> None:
+        """Submit whole units while the admission rule allows (first any to generate again)."""
+        batch = self.prompts_per_step
+        while (
+            admission_capacity(
+                k=self.k,
+                version=self.consumed,
+                batch=batch,
+                accepted=self.consumed * batch,
+                running=len(self.pending) * batch,
+                max_concurrent=(self.k + 1) * batch,
+            )
+            >= batch
+        ):
+            unit = self.resubmit.pop(0) if self.resubmit else self.collector.start(self.draw(batch))
+            self.worker.submit(unit)
+            self.pending.append(unit)
+
+    def next_batch(self) -> list[Sample]:
+        self._admit()  # the weights of the last step are published: one more unit may start
+        unit = self.worker.receive()
+        submitted = self.pending.popleft()
+        if [s.group for s in unit] != [s.group for s in submitted]:
+            raise RuntimeError("async: the worker returned units out of order")
+        self.collector.grade(unit)
+        self.collector.generated_tokens += sum(len(s.response_ids) for s in unit)
+        self.consumed += 1
+        return unit
+
+    def publish(self, model: Any, version: int) -> None:
+        self.worker.publish(model, version)
+
+    def close(self) -> None:
+        import torch
+
+        if self.worker is not None:
+            self.worker.close()
+            self.worker = None
+        if self._threads is not None:
+            torch.set_num_threads(self._threads)
+            self._threads = None
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "consumed": self.consumed,
+            "in_flight": _batches_state([*self.pending, *self.resubmit]),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.consumed = state["consumed"]
+        self.resubmit = list(_batches_from_state(state["in_flight"]))
 
 
 def _finished_groups(pool: list[Sample]) -> set[int]:

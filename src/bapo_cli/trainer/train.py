@@ -42,6 +42,7 @@ from bapo_cli.models import loading as models
 from bapo_cli.rollout.base import Sample, SamplingParams, make_engine, resolve_engine_name
 from bapo_cli.rollout.collect import Collector, DynamicSampling
 from bapo_cli.staleness.regimes import REGIMES, Regime, make_regime
+from bapo_cli.staleness.worker import WorkerError
 from bapo_cli.tracking import describe_failure, flatten, make_tracker, redact
 from bapo_cli.trainer import checkpoint, distributed
 from bapo_cli.trainer.policy import (
@@ -56,6 +57,7 @@ from bapo_cli.trainer.prompts import PromptStream
 from bapo_cli.trainer.update import (
     RHO_SUMS,
     LossSpec,
+    behaviour_weights,
     loss_spec,
     optimizer_update,
     tis_weights,
@@ -176,8 +178,12 @@ def train(
         tracker.log_metrics(_validate(run), step=0)
     status = "FAILED"
     try:
+        # async: the generation worker starts from the weights and version training resumes at
+        run.regime.start(cfg, run.model, run.state.version)
         _loop(run, tracker)
         status = "FINISHED"
+    except WorkerError as err:
+        raise TrainingError(str(err)) from err
     finally:
         _close(run, tracker, status)
     console.print(summary_table(run.state.history, run_dir, cfg.tracking.uri, tracker.run_id))
@@ -337,6 +343,11 @@ def _check_parallel(cfg: TrainConfig, ctx: distributed.DistContext) -> None:
     """What data parallelism needs: equal shares of whole prompt groups on every rank."""
     if not ctx.enabled:
         return
+    if not REGIMES.get(cfg.staleness.regime).data_parallel:
+        raise TrainingError(
+            f"staleness.regime={cfg.staleness.regime} trains in one process: run it without "
+            "--nproc / torchrun"
+        )
     per_batch = REGIMES.get(cfg.staleness.regime).updates_per_batch(cfg.staleness.k)
     parts = ctx.world_size * per_batch
     if cfg.trainer.prompts_per_step % parts:
@@ -427,6 +438,7 @@ def _validate(run: Run) -> dict[str, float]:
 def _close(run: Run, tracker: Any, status: str) -> None:
     """The samples file to MLflow, the run closed with `status`, engine, graders and process
     group stopped."""
+    run.regime.close()  # first: an async generation worker must not outlive a failure below
     samples_file = run.run_dir / "samples.jsonl"
     if samples_file.exists() and run.ctx.is_main:
         tracker.log_artifact(samples_file)
@@ -476,6 +488,9 @@ def _train_step(run: Run) -> dict[str, float]:
     with run.ctx.gathered(run.scorer):  # FSDP2: an engine with its own copy reads full weights
         policy = getattr(run.scorer, "module", run.scorer).model
         sync_s = run.engine.sync_weights(policy, run.state.version)
+        t2 = time.perf_counter()
+        run.regime.publish(policy, run.state.version)  # async: into the worker's shared memory
+        sync_s += time.perf_counter() - t2
     step_s = time.perf_counter() - t0
     if run.ctx.is_main:
         samples_file = run.run_dir / "samples.jsonl"
@@ -527,7 +542,7 @@ def _advantages(cfg: TrainConfig, batch: list[Sample]) -> dict[str, Any]:
 def _optimize(run: Run, batch: list[Sample]) -> tuple[list[dict[str, float]], int]:
     """One optimizer update per mini-batch, × ppo_epochs; (per-update metrics, tokens trained)."""
     minis = run.layout(batch)  # the tensors the behaviour log-probs were scored on (reuse)
-    recomputed: dict[tuple[int, int], torch.Tensor] = {}
+    recomputed: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor | None]] = {}
     update_metrics: list[dict[str, float]] = []
     trained_tokens = 0
     for i in range(len(minis) * run.cfg.staleness.ppo_epochs):
@@ -557,7 +572,7 @@ def _prepare(
     *,
     first: bool,
     key: tuple[int, int],
-    recomputed: dict[tuple[int, int], torch.Tensor],
+    recomputed: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor | None]],
 ) -> None:
     """A micro-batch's advantages (TIS-weighted per token under rollout.tis_cap) and pi_old."""
     cfg = run.cfg
@@ -567,11 +582,23 @@ def _prepare(
     if first and mb.unscored:  # deferred: scored by this update's forward
         mb.old_is_current = True
     if cfg.rollout.tis_cap is not None:  # engine/trainer mismatch: per-token weights
-        mb.advantages = mb.advantages[:, None] * tis_weights(mb, cfg.rollout.tis_cap)
-    if cfg.trainer.old_logprob == "recompute":  # decoupled PPO: pi_old at first use
-        if key not in recomputed:
-            recomputed[key] = _recompute(run.scorer, mb, cfg.rollout.temperature)
-        mb.old_log_prob = recomputed[key]
+        weights = tis_weights(
+            mb, cfg.rollout.tis_cap, level=cfg.rollout.tis_level, mode=cfg.rollout.tis_mode
+        )
+        mb.advantages = mb.advantages[:, None] * weights
+    if cfg.trainer.old_logprob == "recompute":  # the proximal policy: pi_old at first use
+        cap = getattr(cfg.algo, "behav_weight_cap", None)
+        if key not in recomputed:  # mb.old_log_prob still holds the behaviour log-probs here
+            prox = _recompute(run.scorer, mb, cfg.rollout.temperature)
+            weight = None
+            if cap is not None:  # decoupled PPO: the behaviour correction pi_prox / pi_behav
+                weight = behaviour_weights(prox, mb.old_log_prob, mb.mask, cap)
+            recomputed[key] = (prox, weight)
+        prox, weight = recomputed[key]
+        if weight is not None:
+            adv = mb.advantages if mb.advantages.dim() == 2 else mb.advantages[:, None]
+            mb.advantages = adv * weight
+        mb.old_log_prob = prox
 
 
 def _save(run: Run, tracker: Any) -> None:
@@ -725,6 +752,7 @@ def _write_samples(path: Path, step: int, batch: list[Sample], count: int) -> No
             record = {
                 "step": step,
                 "id": getattr(s.problem, "id", None),
+                "group": s.group,  # the prompt group: unique per prompt drawn in this run
                 "prompt": getattr(s.problem, "question", None),
                 "response": s.text,
                 "reward": s.reward,

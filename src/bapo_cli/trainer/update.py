@@ -264,7 +264,23 @@ def _single_pass_bounds(
     return acc.solve(search.rho0, group=group)
 
 
-def tis_weights(mb: MicroBatch, cap: float) -> Tensor:
+def behaviour_weights(prox: Tensor, behav: Tensor, mask: Tensor, cap: float) -> Tensor:
+    """Decoupled PPO's behaviour weight (AReaL), [b, R], detached: pi_prox / pi_behav per token.
+
+    The clipped ratio pi_theta / pi_prox keeps the update near the proximal policy (the weights
+    that first train on the batch, `trainer.old_logprob=recompute`); this factor corrects for the
+    tokens having been sampled by pi_behav (older weights). A token whose weight exceeds `cap` is
+    dropped (weight 0), as AReaL does, rather than truncated: its correction would dominate the
+    batch. Masked positions get 1. The caller multiplies the advantages by it (a positive factor
+    per token leaves the side a ratio clips on unchanged)."""
+    weight = torch.exp(prox.detach().float() - behav.detach().float())
+    weight = torch.where(weight <= cap, weight, 0.0)
+    return torch.where(mask, weight, 1.0)
+
+
+def tis_weights(
+    mb: MicroBatch, cap: float, *, level: str = "token", mode: str = "truncate"
+) -> Tensor:
     """Truncated importance sampling for the train/rollout mismatch (`rollout.tis_cap`), [b, R].
 
     An engine such as vLLM samples from π_engine, its own kernels' version of the policy; the loss
@@ -274,6 +290,10 @@ def tis_weights(mb: MicroBatch, cap: float) -> Tensor:
     clipped ratio π_θ / π_trainer_old handles). Truncation bounds the variance. Tokens without an
     engine log-prob (the transformers engine) get 1. The caller multiplies the advantages by it:
     a positive factor per token leaves the side a ratio clips on unchanged.
+
+    `level="sequence"`: every token of a sequence gets the sequence's weight, the product of its
+    token ratios (`rollout.tis_level`); `mode="mask"` (MIS, `rollout.tis_mode`): a weight over the
+    cap becomes 0 (the token, or the whole sequence) instead of the cap.
     """
     b, width = mb.mask.shape
     trainer = torch.zeros((b, width), dtype=torch.float32)
@@ -283,8 +303,15 @@ def tis_weights(mb: MicroBatch, cap: float) -> Tensor:
         if known:
             trainer[i, :known] = torch.tensor(s.logprobs[:known], dtype=torch.float32)
             engine[i, :known] = torch.tensor(s.engine_logprobs[:known], dtype=torch.float32)
-    weights = torch.exp(trainer - engine).clamp(max=cap).to(mb.mask.device)
-    return torch.where(mb.mask, weights, 1.0)
+    log_ratio = trainer - engine  # 0 where a token has no engine log-prob
+    if level == "sequence":  # one weight per sequence: the product of its tokens' ratios
+        log_ratio = log_ratio.sum(dim=1, keepdim=True).expand(b, width)
+    weights = torch.exp(log_ratio)
+    if mode == "mask":  # MIS: drop what is over the cap instead of flattening it
+        weights = torch.where(weights <= cap, weights, 0.0)
+    else:
+        weights = weights.clamp(max=cap)
+    return torch.where(mb.mask, weights.to(mb.mask.device), 1.0)
 
 
 def _k3(logp: Tensor, ref_logp: Tensor, mask: Tensor) -> Tensor:

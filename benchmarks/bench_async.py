@@ -1,0 +1,148 @@
+"""Synchronous vs real asynchronous RL (`staleness.regime=async`) on the tiny model.
+
+    python benchmarks/bench_async.py                      # data=arith, sync vs async k=1,2,4
+    python benchmarks/bench_async.py --steps 100 --experiment pairs
+    just bench-async
+
+Every row trains the same number of steps (one optimizer update each) from the same seed, in a
+fresh subprocess so thread settings and start-up are the same for all:
+
+- sync, 1 thread: on-policy (`staleness=0`, reuse) in one process on one core: generation and
+  training take turns.
+- sync, 2 threads: the same with both cores (what a user gets without async).
+- lag k=2: the simulated async regime, one process, one core (staleness without the speed).
+- async k: a generation worker process and the trainer, one core each (torch threads 1 + 1).
+
+Printed: samples/s (samples trained per second of steady state: steps 2..N, after the worker has
+started), wall time to the last update (train() as a whole, start-up included), the final reward
+(mean of the last tenth of the steps) and the staleness the updates measured. The speed-up is
+against sync on one core: the issue's comparison (one core each, 2 cores in all).
+
+The goal is >= 1.5x samples/s at k=2 on 2 cores. Numbers depend on the machine being idle: on a
+shared machine both the absolute rates and the speed-up are noisy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+PROMPTS, N, ANSWER_TOKENS, LR = 32, 8, 8, 1e-4
+
+ROWS = [  # (label, threads, overrides)
+    ("sync, 1 thread", 1, ["staleness=0"]),
+    ("sync, 2 threads", 2, ["staleness=0"]),
+    ("lag k=2 (simulated), 1 thread", 1, ["staleness=2", "staleness.regime=lag"]),
+    ("async k=1, 1+1 threads", 2, ["staleness=1", "staleness.regime=async"]),
+    ("async k=2, 1+1 threads", 2, ["staleness=2", "staleness.regime=async"]),
+    ("async k=4, 1+1 threads", 2, ["staleness=4", "staleness.regime=async"]),
+]
+
+
+def child(spec: dict) -> dict:
+    """One training run (in its own process); its numbers as a dict."""
+    import torch
+
+    from bapo_cli.config.preflight import preflight
+    from bapo_cli.trainer.train import train
+
+    torch.set_num_threads(spec["threads"])  # async splits these: trainer 1, worker 1
+    overrides = [
+        "algo=grpo",
+        "rollout=hf",
+        "tracking=none",
+        f"trainer.lr={LR}",
+        f"trainer.prompts_per_step={PROMPTS}",
+        f"rollout.n={N}",
+        f"rollout.max_tokens={ANSWER_TOKENS}",
+        f"trainer.max_steps={spec['steps']}",
+        "trainer.micro_batch_size=256",
+        "trainer.log_samples=0",
+        *spec["experiment"],
+        *spec["overrides"],
+    ]
+    cfg = preflight("train", overrides).config
+    t0 = time.perf_counter()
+    result = train(cfg, Path(tempfile.mkdtemp()) / "run", Console(quiet=True))
+    wall = time.perf_counter() - t0
+    steady = result.history[1:]
+    samples = len(steady) * PROMPTS * N
+    tail = result.history[-max(len(result.history) // 10, 1) :]
+    return {
+        "samples_per_s": samples / sum(h["perf/step_s"] for h in steady),
+        "wall_s": wall,
+        "reward": sum(h["reward/mean"] for h in tail) / len(tail),
+        "staleness_max": max(h["staleness/max"] for h in result.history),
+        "staleness_mean": sum(h["staleness/mean"] for h in result.history) / len(result.history),
+        "rollout_wait_s": sum(h["perf/rollout_s"] for h in steady) / len(steady),
+    }
+
+
+def run_row(threads: int, overrides: list[str], steps: int, experiment: list[str]) -> dict:
+    spec = {"threads": threads, "overrides": overrides, "steps": steps, "experiment": experiment}
+    done = subprocess.run(
+        [sys.executable, __file__, "--child", json.dumps(spec)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if done.returncode != 0:
+        raise SystemExit(f"{overrides}: failed\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=60, help="optimizer updates per run")
+    parser.add_argument("--experiment", default=None, help="e.g. pairs (experiment=pairs)")
+    parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child is not None:
+        print(json.dumps(child(json.loads(args.child))))
+        return
+    experiment = [f"experiment={args.experiment}"] if args.experiment else []
+    console = Console()
+    title = (
+        f"sync vs async, tiny model, {args.experiment or 'arith'}: {args.steps} updates of "
+        f"{PROMPTS} prompts × {N} samples, {ANSWER_TOKENS}-token answers"
+    )
+    table = Table(title=title)
+    for col in (
+        "run",
+        "samples/s",
+        "speed-up",
+        "wall s",
+        "final reward",
+        "staleness max",
+        "staleness mean",
+        "rollout wait s/step",
+    ):
+        table.add_column(col, justify="left" if col == "run" else "right")
+    base = None
+    for label, threads, overrides in ROWS:
+        r = run_row(threads, overrides, args.steps, experiment)
+        base = base or r["samples_per_s"]
+        table.add_row(
+            label,
+            f"{r['samples_per_s']:.0f}",
+            f"{r['samples_per_s'] / base:.2f}x",
+            f"{r['wall_s']:.1f}",
+            f"{r['reward']:.3f}",
+            f"{r['staleness_max']:.0f}",
+            f"{r['staleness_mean']:.2f}",
+            f"{r['rollout_wait_s']:.3f}",
+        )
+        console.print(f"done: {label}", style="dim")
+    console.print(table)
+
+
+if __name__ == "__main__":
+    main()

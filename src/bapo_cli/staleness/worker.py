@@ -1,0 +1,270 @@
+"""The generation worker of `staleness.regime=async`: a separate process that samples while the
+trainer trains.
+
+Why a process and not a thread: generation and the optimizer step are both PyTorch compute that
+holds the GIL between kernels; two processes with one core each really run at the same time.
+
+    trainer ──units of started samples──▶ requests ─▶ worker: load newest weights, generate,
+            ◀──────units of sampled samples─ results ◀─        score with those same weights
+
+`requests` is a multiprocessing Queue (its feeder thread never blocks the trainer); `results` is a
+one-way pipe whose write end only the worker holds, so a worker that dies, even halfway through
+sending a unit, is an end-of-file for the trainer, never a read that waits forever.
+
+Weights travel through shared memory, not through the queues: the trainer copies its parameters
+into tensors made with `share_memory_()` under a lock and bumps a version counter (`publish`,
+milliseconds for the tiny model, and training never waits for the worker); the worker copies them
+into its own model between units, under the same lock, so it never samples from half-written
+weights. Every token is stamped with the version the worker's weights carry, and the worker scores
+its own samples with those weights: the behaviour log-probs are the behaviour policy's.
+
+Which units the worker may start is decided by the trainer (`AsyncRL._admit`, AReaL's rule); the
+worker only takes what it is given, in order.
+
+Shutdown: `close()` sends a stop request, then SIGTERM, then SIGKILL (the worker holds nothing
+worth saving, and may be blocked sending units generated ahead that nobody will read). A worker
+whose trainer dies without cleaning up (kill -9) dies with it: Linux's parent-death signal
+(`prctl(PR_SET_PDEATHSIG)`) kills it at once, and where that is missing it notices the new parent
+process id within half a second while it waits for work.
+
+CPU only here. On CUDA the same shape holds with the worker on its own GPU (or a vLLM engine) and
+NCCL broadcast / CUDA IPC in place of shared memory; docs/engines.md says what that path is and
+that it was not run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import queue
+import signal
+import traceback
+from dataclasses import dataclass, fields, replace
+from functools import partial
+from typing import Any
+
+import torch
+
+from bapo_cli.rollout.base import Sample, SamplingParams
+
+POLL_S = 0.5  # how often a waiting side checks that the other is still alive
+
+
+class WorkerError(RuntimeError):
+    """The generation worker failed or died; the message says how."""
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """What the worker needs to build its own policy copy and sample like the trainer would."""
+
+    model: Any  # ModelConfig: architecture and tokenizer (weights come from shared memory)
+    dtype: torch.dtype  # the trainer's stored weight dtype (float32 under mixed precision)
+    autocast: torch.dtype | None  # mixed precision: sample and score in this dtype
+    params: SamplingParams
+    micro_batch_size: int  # behaviour scoring in the trainer's micro-batch layout
+    seed: int
+    threads: int  # torch intra-op threads of the worker
+
+
+def unit_seed(seed: int, first_group: int) -> int:
+    """The sampling seed of a unit: fixed by the run seed and the unit's first prompt group, so a
+    unit's samples depend only on the weights it was sampled with (not on what ran before it)."""
+    return (seed * 1_000_003 + first_group) % (2**63)
+
+
+class GenerationWorker:
+    """The trainer's handle on the worker process: publish weights, submit units, receive them."""
+
+    def __init__(self, spec: WorkerSpec, model: torch.nn.Module, version: int) -> None:
+        ctx = torch.multiprocessing.get_context("spawn")
+        with torch.no_grad():
+            self.shared = {
+                name: t.detach().to("cpu", copy=True).share_memory_()
+                for name, t in model.state_dict().items()
+            }
+        self.version = ctx.Value("q", version, lock=False)  # guarded by self.lock
+        self.lock = ctx.Lock()
+        self.requests = ctx.Queue()
+        self.results, results_end = ctx.Pipe(duplex=False)
+        self.proc = ctx.Process(
+            target=worker_main,
+            args=(spec, self.shared, self.version, self.lock, self.requests, results_end),
+            kwargs={"parent_pid": os.getpid()},
+            name="bapo-generation",
+            daemon=True,  # multiprocessing's exit handler ends it if close() never runs
+        )
+        self.proc.start()
+        results_end.close()  # the worker's end: once it exits, reads here end instead of waiting
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid
+
+    def publish(self, model: torch.nn.Module, version: int) -> None:
+        """The trainer's current weights into shared memory, stamped `version` (the worker takes
+        them before its next unit)."""
+        with self.lock, torch.no_grad():
+            for name, t in model.state_dict().items():
+                self.shared[name].copy_(t)
+            self.version.value = version
+
+    def submit(self, unit: list[Sample]) -> None:
+        self.requests.put(unit)
+
+    def receive(self) -> list[Sample]:
+        """The next generated unit (units come back in the order they were submitted); a
+        WorkerError if the worker failed or died."""
+        while True:
+            try:
+                if not self.results.poll(POLL_S):
+                    continue
+                kind, payload = self.results.recv()
+            except (EOFError, OSError):
+                self.proc.join(timeout=5)
+                raise WorkerError(
+                    f"the generation worker (pid {self.proc.pid}) exited with code "
+                    f"{self.proc.exitcode} without an error report"
+                ) from None
+            if kind == "error":
+                last = payload.strip().splitlines()[-1] if payload.strip() else "unknown error"
+                raise WorkerError(f"the generation worker failed: {last}")
+            return payload
+
+    def close(self, wait_s: float = 5.0) -> None:
+        """Stop the worker: a stop request, then SIGTERM, then SIGKILL; no process is left."""
+        if self.proc.pid is None or self.requests is None:
+            return
+        with contextlib.suppress(Exception):
+            self.requests.put(None)
+        self.proc.join(timeout=0.2)  # an idle worker takes the stop request at once
+        for stop in (self.proc.terminate, self.proc.kill):
+            if not self.proc.is_alive():
+                break
+            stop()
+            self.proc.join(timeout=wait_s)
+        self.requests.cancel_join_thread()  # unread requests must not hold this process at exit
+        self.requests.close()
+        self.results.close()
+        # drop the semaphores now: a traceback that keeps this handle alive until exit would
+        # otherwise leave them to the resource tracker, which warns about "leaked" ones
+        self.requests = self.results = self.lock = self.version = None
+        self.shared = {}
+
+
+# ------------------------------------------------------------------------------ worker side
+
+
+def worker_main(
+    spec: WorkerSpec,
+    shared: dict[str, torch.Tensor],
+    version: Any,
+    lock: Any,
+    requests: Any,
+    results: Any,
+    *,
+    parent_pid: int,
+) -> None:
+    """The worker process: build a policy copy, then generate units until told to stop."""
+    _die_with_parent(parent_pid)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C stops the trainer, which stops us
+    try:
+        generate = _build(spec)
+        loaded = -1
+        while True:
+            unit = _next_request(requests, parent_pid)
+            if unit is None:
+                break
+            loaded = generate.refresh(shared, version, lock, loaded)
+            torch.manual_seed(unit_seed(spec.seed, unit[0].group))
+            generate.collector.advance(unit)
+            results.send(("unit", unit))  # waits while the trainer is k units behind
+    except BaseException:  # noqa: BLE001  (reported to the trainer, then this process ends)
+        with contextlib.suppress(OSError):
+            results.send(("error", traceback.format_exc()))
+        raise SystemExit(1) from None
+
+
+@dataclass
+class _Generate:
+    model: torch.nn.Module
+    engine: Any
+    collector: Any
+
+    def refresh(self, shared: dict[str, torch.Tensor], version: Any, lock: Any, loaded: int) -> int:
+        """Copy the newest published weights in if they are newer than ours; our version."""
+        if version.value == loaded:  # a stale read only delays the copy to the next unit
+            return loaded
+        with lock, torch.no_grad():
+            self.model.load_state_dict(shared)
+            current = int(version.value)
+        self.engine.sync_weights(self.model, current)  # the version new tokens are stamped with
+        return current
+
+
+def _build(spec: WorkerSpec) -> _Generate:
+    import transformers
+
+    from bapo_cli.models import loading as models
+    from bapo_cli.rollout.collect import Collector
+    from bapo_cli.rollout.hf import HFEngine
+    from bapo_cli.trainer.policy import ResponseLogits, disable_dropout
+
+    # no progress bars: the trainer's is the one to watch, and tqdm's lock is a semaphore that a
+    # killed worker would leave to the resource tracker
+    transformers.utils.logging.disable_progress_bar()
+    torch.set_num_threads(spec.threads)
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    model_cfg = spec.model
+    if any(f.name == "gradient_checkpointing" for f in fields(model_cfg)):
+        model_cfg = replace(model_cfg, gradient_checkpointing=False)  # no backward here
+    model, tokenizer = models.load_policy(model_cfg, device=torch.device("cpu"), dtype=spec.dtype)
+    disable_dropout(model)
+    model.train()  # the trainer's mode: the engine switches to eval only inside generate()
+    model.requires_grad_(False)
+    engine = HFEngine(model, tokenizer, autocast=spec.autocast)
+    scorer = ResponseLogits(model, spec.autocast)
+    score = partial(
+        _score, scorer, tokenizer.pad_token_id, spec.micro_batch_size, spec.params.temperature
+    )
+    collector = Collector(
+        engine=engine,
+        tokenizer=tokenizer,
+        params=spec.params,
+        n=1,  # units arrive as started samples: the trainer made the groups
+        encode=None,
+        reward=None,  # graded by the trainer when it takes the unit
+        score=score,
+    )
+    return _Generate(model, engine, collector)
+
+
+def _score(scorer, pad_id: int, size: int, temperature: float, samples: list[Sample]) -> None:
+    """Behaviour log-probs with the weights that just sampled, in the trainer's micro-batch layout
+    (so an unchanged policy scores a token as the trainer's first update will)."""
+    from bapo_cli.trainer.policy import collate, record_behaviour
+
+    for i in range(0, len(samples), size):
+        mb = collate(samples[i : i + size], pad_id, torch.device("cpu"))
+        record_behaviour(scorer, mb, temperature)
+
+
+def _next_request(requests: Any, parent_pid: int) -> list[Sample] | None:
+    """The next unit, or None to stop (asked to, or the trainer is gone)."""
+    while True:
+        try:
+            return requests.get(timeout=POLL_S)
+        except queue.Empty:
+            if os.getppid() != parent_pid:  # orphaned: the trainer died without a word
+                return None
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    """SIGKILL this process when the trainer dies (Linux); elsewhere `_next_request` notices."""
+    with contextlib.suppress(Exception):
+        libc = ctypes.CDLL(None, use_errno=True)
+        pr_set_pdeathsig = 1
+        libc.prctl(pr_set_pdeathsig, signal.SIGKILL)
+    if os.getppid() != parent_pid:  # died before prctl took effect
+        os._exit(0)

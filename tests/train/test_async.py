@@ -1,0 +1,210 @@
+"""Real asynchronous RL (`staleness.regime=async`): a worker process generates while training runs.
+
+Real processes throughout: the trainer in this process or a `bapo train` subprocess, the worker
+spawned by it. What must hold whatever the timing: no token is trained more than staleness.k
+versions after it was sampled; every prompt group drawn is trained exactly once (none lost, none
+twice), also across a kill -9 of the trainer and a resume; the worker never outlives its trainer.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import psutil
+import pytest
+
+from bapo_cli.config.preflight import PreflightError, preflight
+from bapo_cli.staleness.regimes import admission_capacity
+from bapo_cli.trainer import checkpoint
+from tests.train.conftest import FAST, run_train
+
+PROMPTS, N = 8, 4  # FAST: prompts_per_step=8, rollout.n=4
+ASYNC = ("staleness.regime=async", f"trainer.log_samples={PROMPTS * N}")
+
+
+def _workers(pid: int | None = None) -> list[psutil.Process]:
+    """Live generation workers started by `pid` (default: this process)."""
+    found = []
+    for child in psutil.Process(pid or os.getpid()).children(recursive=True):
+        try:
+            if "spawn_main" in " ".join(child.cmdline()) and child.status() != "zombie":
+                found.append(child)
+        except psutil.NoSuchProcess:
+            continue
+    return found
+
+
+def _records(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "samples.jsonl").read_text().splitlines()]
+
+
+def _assert_each_group_once(records: list[dict], steps: int) -> None:
+    """Steps 1..steps each trained PROMPTS whole groups, and the groups are 0..steps*PROMPTS-1,
+    each with its N samples: none lost, none twice."""
+    assert sorted({r["step"] for r in records}) == list(range(1, steps + 1))
+    counts = Counter(r["group"] for r in records)
+    assert sorted(counts) == list(range(steps * PROMPTS))
+    assert set(counts.values()) == {N}
+
+
+def test_admission_rule_is_areals() -> None:
+    # nothing trained yet, k=2, batches of 8: three batches may start, no more
+    assert (
+        admission_capacity(k=2, version=0, batch=8, accepted=0, running=0, max_concurrent=24) == 24
+    )
+    assert (
+        admission_capacity(k=2, version=0, batch=8, accepted=0, running=24, max_concurrent=24) == 0
+    )
+    # one batch trained (version 1): one more batch may start
+    assert (
+        admission_capacity(k=2, version=1, batch=8, accepted=8, running=16, max_concurrent=24) == 8
+    )
+    # max_concurrent binds when it is the smaller
+    assert admission_capacity(k=4, version=0, batch=8, accepted=0, running=4, max_concurrent=6) == 2
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_staleness_never_exceeds_k_and_each_group_is_trained_once(tmp_path, k) -> None:
+    steps = 8
+    result = run_train(tmp_path, f"staleness={k}", *ASYNC, f"trainer.max_steps={steps}")
+    assert len(result.history) == steps
+    stale = [u["staleness_max"] for u in result.updates]
+    assert max(stale) <= k, stale
+    assert stale[0] == 0.0  # the first batch comes from the starting weights
+    # the worker scored its samples with the weights that sampled them: the first update, on
+    # those same weights, sees a ratio of exactly 1
+    assert result.updates[0]["ratio_max"] == 1.0 == result.updates[0]["ratio_mean"]
+    for sample in result.last_batch:
+        assert len(sample.logprobs) == len(sample.response_ids) == len(sample.versions)
+        assert len(set(sample.versions)) == 1  # one unit, one set of weights
+    _assert_each_group_once(_records(result.run_dir), steps)
+    assert _workers() == []  # the worker is gone once train() returns
+
+
+def _bapo(run_dir: Path, *overrides: str) -> subprocess.Popen:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    return subprocess.Popen(
+        [sys.executable, "-m", "bapo_cli", "train", *FAST, *overrides, f"hydra.run.dir={run_dir}"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+
+
+def _wait_for(condition, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.05)
+
+
+def test_kill_9_of_the_trainer_then_resume_trains_every_group_exactly_once(tmp_path) -> None:
+    steps, k = 40, 2
+    args = (f"staleness={k}", *ASYNC, f"trainer.max_steps={steps}", "trainer.save_every=2")
+    run_dir = tmp_path / "killed"
+    trainer = _bapo(run_dir, *args)
+    root = run_dir / "checkpoints"
+    _wait_for(lambda: (checkpoint.step_dir(root, 4) / "trainer_state.pt").exists(), 120, "step 4")
+    workers = _workers(trainer.pid)
+    assert len(workers) == 1
+    trainer.send_signal(signal.SIGKILL)
+    assert trainer.wait(30) == -signal.SIGKILL
+    # no orphan: the worker dies with its trainer
+    _, alive = psutil.wait_procs(workers, timeout=10)
+    assert alive == []
+    found = checkpoint.latest_usable(root, print)
+    assert found is not None
+    resumed_from = found[1]["state"]["step"]
+    assert resumed_from < steps, "the run finished before it was killed: kill it earlier"
+    in_flight = found[1]["ranks"][0]["regime"]["in_flight"]
+    assert in_flight  # groups were submitted but not trained when the checkpoint was written
+
+    resumed = run_train(tmp_path, *args, "trainer.resume=true", name="killed")
+    assert len(resumed.history) == steps
+    assert max(u["staleness_max"] for u in resumed.updates) <= k
+    records = _records(run_dir)
+    after = (steps - resumed_from) * PROMPTS * N  # the resumed run's records come last
+    first_run = [r for r in records[:-after] if r["step"] <= resumed_from]
+    _assert_each_group_once(first_run + records[-after:], steps)
+    # the groups in flight at the checkpoint were generated again from the same prompts
+    prompt_of = {r["group"]: r["id"] for r in records[:-after]}
+    regenerated = {s["group"]: s["problem"]["id"] for unit in in_flight for s in unit}
+    for r in records[-after:]:
+        if r["group"] in regenerated:
+            assert r["id"] == regenerated[r["group"]]
+        if r["group"] in prompt_of:
+            assert r["id"] == prompt_of[r["group"]]
+    assert _workers() == []
+
+
+def test_a_dead_worker_stops_training_with_one_line(tmp_path) -> None:
+    trainer = _bapo(tmp_path / "run", "staleness=1", *ASYNC, "trainer.max_steps=100000")
+    _wait_for(lambda: bool(_workers(trainer.pid)), 120, "the worker")
+    (worker,) = _workers(trainer.pid)
+    _wait_for(lambda: (tmp_path / "run" / "samples.jsonl").exists(), 120, "a trained step")
+    worker.send_signal(signal.SIGKILL)
+    _, err = trainer.communicate(timeout=60)
+    assert trainer.returncode == 1
+    assert err.strip().splitlines()[-1] == (
+        f"error: the generation worker (pid {worker.pid}) exited with code -9 without an error "
+        "report"
+    ), err
+
+
+@pytest.mark.parametrize(
+    ("overrides", "line"),
+    [
+        (
+            ["rollout=vllm"],
+            "rollout.name=vllm: staleness.regime=async generates with the transformers engine "
+            "in a CPU worker process: use rollout=hf (or auto)",
+        ),
+        (
+            ["trainer.strategy=fsdp2"],
+            "trainer.strategy=fsdp2: staleness.regime=async trains in one process (no torchrun): "
+            "use ddp without --nproc",
+        ),
+        (
+            ["staleness.ppo_epochs=2"],
+            "staleness.ppo_epochs=2: staleness.regime=async makes one update per batch: needs "
+            "ppo_epochs=1",
+        ),
+        (
+            ["model.device=cuda"],
+            "model.device=cuda: staleness.regime=async runs on CPU only (the CUDA path is "
+            "described in docs/engines.md, not built): use model.device=cpu",
+        ),
+        (
+            ["staleness.k=0"],
+            "staleness.regime=async: needs staleness.k >= 1 (k=0 is on-policy: use reuse)",
+        ),
+    ],
+)
+def test_unsupported_combinations_are_refused_in_one_line(overrides, line) -> None:
+    with pytest.raises(PreflightError) as info:
+        preflight("train", ["staleness=2", "staleness.regime=async", *overrides])
+    assert str(info.value) == line
+
+
+def test_nproc_with_async_is_refused_before_torchrun_starts() -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "bapo_cli", "train", "--nproc", "2", "staleness.regime=async"],
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)),
+        timeout=120,
+    )
+    assert done.returncode == 2
+    assert done.stderr.strip() == (
+        "error: --nproc with staleness.regime=async: that regime trains in one process (its "
+        "generation worker is the second); drop --nproc"
+    )
