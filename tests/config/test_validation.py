@@ -45,7 +45,7 @@ RULES = [
     (
         ["algo=dapo", "staleness=2", "staleness.regime=partial"],
         "algo.dynamic_sampling=True",
-        "staleness.regime=reuse, replay or async",
+        "staleness.regime=reuse, replay or lag",
     ),
     (["staleness.k=-1"], "staleness.k=-1", ">= 0"),
     (["staleness.regime=bogus"], "staleness.regime=bogus", "reuse, replay, partial, lag, async"),

@@ -85,7 +85,7 @@ def test_without_dynamic_sampling_the_batch_is_what_was_drawn() -> None:
 
 
 def test_the_regimes_train_on_the_refilled_batch() -> None:
-    for name, k in (("reuse", 2), ("replay", 1), ("async", 1)):
+    for name, k in (("reuse", 2), ("replay", 1), ("lag", 1)):
         collector, drawn = _collector(lambda p: p % 2 == 0, rounds=10)
         regime = make_regime(
             name, k=k, epochs=1, collector=collector, draw=_draw(drawn), prompts_per_step=4

@@ -184,6 +184,12 @@ def test_a_dead_worker_stops_training_with_one_line(tmp_path) -> None:
             "described in docs/engines.md, not built): use model.device=cpu",
         ),
         (
+            ["algo=dapo"],
+            "algo.dynamic_sampling=True: refills a batch with new prompts once its rewards are "
+            "known, which a worker that generates ahead does not do: use "
+            "staleness.regime=reuse, replay or lag",
+        ),
+        (
             ["staleness.k=0"],
             "staleness.regime=async: needs staleness.k >= 1 (k=0 is on-policy: use reuse)",
         ),

@@ -252,7 +252,7 @@ class Partial(Regime):
                 "algo.dynamic_sampling",
                 True,
                 "refills whole rollout batches, which partial rollouts (groups finishing over "
-                "several steps) do not make: use staleness.regime=reuse, replay or async",
+                "several steps) do not make: use staleness.regime=reuse, replay or lag",
             )
         if cfg.trainer.strategy == "fsdp2":
             raise ConfigError(
@@ -375,6 +375,13 @@ class AsyncRL(Regime):
                 "vllm",
                 "staleness.regime=async generates with the transformers engine in a CPU worker "
                 "process: use rollout=hf (or auto)",
+            )
+        if cfg.algo.dynamic_sampling:
+            raise ConfigError(
+                "algo.dynamic_sampling",
+                True,
+                "refills a batch with new prompts once its rewards are known, which a worker "
+                "that generates ahead does not do: use staleness.regime=reuse, replay or lag",
             )
         if cfg.trainer.strategy == "fsdp2":
             raise ConfigError(
