@@ -553,6 +553,18 @@ def _keyed_inputs(
     return torch.where(keep, key, 0.0), torch.where(keep, m, 0.0), torch.where(keep, a, 0.0)
 
 
+def _checked_dual_clip(dual_clip: float | None, path: BoundPath) -> float | None:
+    """The dual clip as a float, above every c_low the path can take (or None)."""
+    dual = None if dual_clip is None else number("dual_clip", dual_clip)
+    if dual is not None and not (path.low_values[-1] < dual < math.inf):
+        raise ParamError(
+            "dual_clip",
+            dual_clip,
+            f"must be finite and > the largest c_low ({path.low_values[-1]}), or None",
+        )
+    return dual
+
+
 class BoundAccumulator:
     """Additive per-path-point sums, so micro-batches and ranks can be solved once together.
 
@@ -578,14 +590,7 @@ class BoundAccumulator:
         dual_clip: float | None = None,
     ) -> None:
         self.path = BoundPath.build(low_range, high_range, low_step, high_step)
-        dual = None if dual_clip is None else number("dual_clip", dual_clip)
-        if dual is not None and not (self.path.low_values[-1] < dual < math.inf):
-            raise ParamError(
-                "dual_clip",
-                dual_clip,
-                f"must be finite and > the largest c_low ({self.path.low_values[-1]}), or None",
-            )
-        self.dual_clip = dual
+        self.dual_clip = _checked_dual_clip(dual_clip, self.path)
         self._lead = 0 if dual_clip is None else 1  # leading bin: dual-clipped negatives
         self._sums: torch.Tensor | None = None
 
@@ -699,15 +704,8 @@ class RecipeAccumulator:
         dual_clip: float | None = None,
     ) -> None:
         self.path = BoundPath.build(low_range, high_range, low_step, high_step, rule="recipe")
-        dual = None if dual_clip is None else number("dual_clip", dual_clip)
-        if dual is not None and not (self.path.low_values[-1] < dual < math.inf):
-            raise ParamError(
-                "dual_clip",
-                dual_clip,
-                f"must be finite and > the largest c_low ({self.path.low_values[-1]}), or None",
-            )
-        self.dual_clip = dual
-        self._lead = 0 if dual is None else 1  # leading bin: dual-clipped negatives
+        self.dual_clip = _checked_dual_clip(dual_clip, self.path)
+        self._lead = 0 if dual_clip is None else 1  # leading bin: dual-clipped negatives
         self._sums: torch.Tensor | None = None
 
     @property

@@ -497,6 +497,14 @@ def ppo_loss(
     )
 
 
+def check_eps(eps_low: float, eps_high: float) -> None:
+    """A decoupled clip range [1 - eps_low, 1 + eps_high]: eps_low in (0, 1), eps_high > 0."""
+    if not 0.0 < number("eps_low", eps_low) < 1.0:
+        raise ParamError("eps_low", eps_low, "must be within (0, 1)")
+    if not 0.0 < number("eps_high", eps_high) < math.inf:
+        raise ParamError("eps_high", eps_high, "must be a finite number > 0")
+
+
 @dataclass(frozen=True)
 class ClipHigherParams:
     """Decoupled clip range [1 - eps_low, 1 + eps_high] (DAPO's clip-higher)."""
@@ -508,10 +516,7 @@ class ClipHigherParams:
         self.check()
 
     def check(self) -> None:
-        if not 0.0 < number("eps_low", self.eps_low) < 1.0:
-            raise ParamError("eps_low", self.eps_low, "must be within (0, 1)")
-        if not 0.0 < number("eps_high", self.eps_high) < math.inf:
-            raise ParamError("eps_high", self.eps_high, "must be a finite number > 0")
+        check_eps(self.eps_low, self.eps_high)
 
     def describe(self) -> str:
         return f"[{1 - self.eps_low:g}, {1 + self.eps_high:g}]"
@@ -742,10 +747,7 @@ class GSPOParams:
         self.check()
 
     def check(self) -> None:
-        if not 0.0 < number("eps_low", self.eps_low) < 1.0:
-            raise ParamError("eps_low", self.eps_low, "must be within (0, 1)")
-        if not 0.0 < number("eps_high", self.eps_high) < math.inf:
-            raise ParamError("eps_high", self.eps_high, "must be a finite number > 0")
+        check_eps(self.eps_low, self.eps_high)
 
     def describe(self) -> str:
         return f"sequence ratio in [{1 - self.eps_low:g}, {1 + self.eps_high:g}]"

@@ -308,3 +308,42 @@ def serve(handler: Callable[..., Any], *, warmup: Callable[[], Any] | None = Non
             if backstop:
                 signal.alarm(0)
         protocol.write(json.dumps(reply, ensure_ascii=True) + "\n")
+
+
+def fan_out(
+    workers: list[TimeLimitedWorker],
+    items: list[Any],
+    call: Callable[[TimeLimitedWorker, Any], None],
+) -> None:
+    """`call(worker, item)` for every item, from min(len(workers), len(items)) threads, one per
+    worker, each taking the next item as it frees up (a slow item holds one worker, not the
+    rest). The first exception any thread raised (e.g. WorkerStartError) is re-raised here."""
+    pending = iter(items)
+    take = threading.Lock()
+    errors: list[BaseException] = []
+
+    def drain(worker: TimeLimitedWorker) -> None:
+        try:
+            while True:
+                with take:
+                    item = next(pending, _DONE)
+                if item is _DONE:
+                    return
+                call(worker, item)
+        except BaseException as exc:  # re-raised in the caller
+            errors.append(exc)
+
+    used = workers[: min(len(workers), len(items))]
+    if len(used) == 1:
+        drain(used[0])
+    elif used:
+        threads = [threading.Thread(target=drain, args=(w,), daemon=True) for w in used]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    if errors:
+        raise errors[0]
+
+
+_DONE = object()

@@ -44,7 +44,7 @@ from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
 
 from bapo_cli.rewards.extract import brace_depth, is_integer, last_boxed, normalize_answer
-from bapo_cli.rewards.guard import TimeLimitedWorker
+from bapo_cli.rewards.guard import TimeLimitedWorker, fan_out
 
 __all__ = [
     "DEFAULT_TIMEOUT_S",
@@ -261,32 +261,11 @@ class MathGrader:
     ) -> dict[tuple[str, str], tuple[str, bool]]:
         """(status, verdict) of every key, from min(len(keys), workers) threads, one per worker."""
         out: dict[tuple[str, str], tuple[str, bool]] = {}
-        pending = iter(keys)
-        take = threading.Lock()
-        errors: list[BaseException] = []
 
-        def drain(worker: TimeLimitedWorker) -> None:
-            try:
-                while True:
-                    with take:
-                        key = next(pending, None)
-                    if key is None:
-                        return
-                    out[key] = self._compare(worker, key, limit, deadline)
-            except BaseException as exc:  # re-raised in the caller (WorkerStartError)
-                errors.append(exc)
+        def compare(worker: TimeLimitedWorker, key: tuple[str, str]) -> None:
+            out[key] = self._compare(worker, key, limit, deadline)
 
-        used = self.pool[: min(len(self.pool), len(keys))]
-        if len(used) == 1:
-            drain(used[0])
-        elif used:
-            threads = [threading.Thread(target=drain, args=(w,), daemon=True) for w in used]
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join()
-        if errors:
-            raise errors[0]
+        fan_out(self.pool, keys, compare)
         return out
 
     def _compare(

@@ -36,7 +36,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from bapo_cli.rewards.guard import TimeLimitedWorker
+from bapo_cli.rewards.guard import TimeLimitedWorker, fan_out
 from bapo_cli.rewards.math_grader import GradeReport
 
 __all__ = ["PythonReward", "RewardPluginError", "check_spec", "load_fn", "resolve_spec", "score"]
@@ -206,33 +206,12 @@ class PythonReward:
         deadline = None if budget_s is None else t0 + max(budget_s, 0.0)
         items = list(enumerate(zip(responses, references, records, strict=True)))
         results: list[tuple[str, float]] = [("ok", 0.0)] * len(items)
-        pending = iter(items)
-        take = threading.Lock()
-        failures: list[BaseException] = []
 
-        def drain(worker: TimeLimitedWorker) -> None:
-            try:
-                while True:
-                    with take:
-                        item = next(pending, None)
-                    if item is None:
-                        return
-                    i, args = item
-                    results[i] = self._call(worker, args, deadline)
-            except BaseException as exc:  # WorkerStartError: re-raised in the caller
-                failures.append(exc)
+        def score(worker: TimeLimitedWorker, item: tuple[int, tuple[str, str, Any]]) -> None:
+            i, args = item
+            results[i] = self._call(worker, args, deadline)
 
-        used = self.pool[: min(len(self.pool), len(items))]
-        if len(used) == 1:
-            drain(used[0])
-        elif used:
-            threads = [threading.Thread(target=drain, args=(w,), daemon=True) for w in used]
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join()
-        if failures:
-            raise failures[0]
+        fan_out(self.pool, items, score)
         counts = {status: 0 for status in ("error", "timeout", "over_budget")}
         for status, _ in results:
             if status in counts:
