@@ -565,6 +565,21 @@ def _checked_dual_clip(dual_clip: float | None, path: BoundPath) -> float | None
     return dual
 
 
+def _summed_to_host(sums: torch.Tensor | None, size: int, group: Any) -> list[float]:
+    """A search's bin sums (zeros when nothing was added), all-reduced over `group` when given,
+    read to the host: the one sync of a search. A rank with no tokens still joins the reduce, on
+    the GPU when the backend is NCCL."""
+    sums = sums if sums is not None else torch.zeros(size, dtype=torch.float64)
+    if group is not None:
+        import torch.distributed as dist
+
+        sums = sums.clone()
+        if dist.get_backend(group) == "nccl" and sums.device.type != "cuda":
+            sums = sums.cuda()
+        dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=group)
+    return sums.tolist()
+
+
 class BoundAccumulator:
     """Additive per-path-point sums, so micro-batches and ranks can be solved once together.
 
@@ -646,15 +661,7 @@ class BoundAccumulator:
     def _host_sums(self, group: Any) -> list[float]:
         """All-reduce (optional) and read the sums to the host: the one sync of the search."""
         size = self.path.n_high + self.path.n_low + 4 + self._lead
-        sums = self._sums if self._sums is not None else torch.zeros(size, dtype=torch.float64)
-        if group is not None:
-            import torch.distributed as dist
-
-            sums = sums.clone()
-            if dist.get_backend(group) == "nccl" and sums.device.type != "cuda":
-                sums = sums.cuda()  # a rank with no tokens still joins, on the GPU NCCL needs
-            dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=group)
-        return sums.tolist()[self._lead :]
+        return _summed_to_host(self._sums, size, group)[self._lead :]
 
     def rho_along_path(self, group: Any = None) -> list[float]:
         """rho at every path point (K numbers, one host read): for logging the curve or checking
@@ -742,15 +749,7 @@ class RecipeAccumulator:
         """Walk the recipe's path; one all-reduce over `group` (optional), one host read."""
         rho0 = check_rho0(rho0)
         size = self._size
-        sums = self._sums if self._sums is not None else torch.zeros(2 * size, dtype=torch.float64)
-        if group is not None:
-            import torch.distributed as dist
-
-            sums = sums.clone()
-            if dist.get_backend(group) == "nccl" and sums.device.type != "cuda":
-                sums = sums.cuda()
-            dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=group)
-        values = sums.tolist()
+        values = _summed_to_host(self._sums, 2 * size, group)
         mass, weight = values[:size], values[size:]
         dual_mass = mass[0] if self._lead else 0.0  # dual-clipped negatives: r |A|, never active
         return _solve_recipe(self.path, mass[self._lead :], weight[self._lead :], dual_mass, rho0)
