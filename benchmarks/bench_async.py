@@ -1,7 +1,7 @@
 """Synchronous vs real asynchronous RL (`staleness.regime=async`) on the tiny model.
 
     python benchmarks/bench_async.py                      # data=arith, sync vs async k=1,2,4
-    python benchmarks/bench_async.py --steps 100 --experiment pairs
+    python benchmarks/bench_async.py --steps 40 --experiment pairs   # 40-token responses
     just bench-async
 
 Every row trains the same number of steps (one optimizer update each) from the same seed, in a
@@ -12,11 +12,17 @@ fresh subprocess so thread settings and start-up are the same for all:
 - sync, 2 threads: the same with both cores (what a user gets without async).
 - lag k=2: the simulated async regime, one process, one core (staleness without the speed).
 - async k: a generation worker process and the trainer, one core each (torch threads 1 + 1).
+- async k=2 + interrupt: the same with `staleness.interrupt=true` (new weights pause the
+  responses being generated; they continue with the new weights).
 
 Printed: samples/s (samples trained per second of steady state: steps 2..N, after the worker has
 started), wall time to the last update (train() as a whole, start-up included), the final reward
 (mean of the last tenth of the steps) and the staleness the updates measured. The speed-up is
-against sync on one core: the issue's comparison (one core each, 2 cores in all).
+against sync on one core (the issue's comparison: one core each, 2 cores in all) and against
+sync on both cores (what a user gets without async).
+
+`--experiment` takes the preset's own response budget (pairs: 40 tokens); without it the task is
+arith with 8-token answers.
 
 The goal is >= 1.5x samples/s at k=2 on 2 cores. Numbers depend on the machine being idle: on a
 shared machine both the absolute rates and the speed-up are noisy.
@@ -44,6 +50,11 @@ ROWS = [  # (label, threads, overrides)
     ("async k=1, 1+1 threads", 2, ["staleness=1", "staleness.regime=async"]),
     ("async k=2, 1+1 threads", 2, ["staleness=2", "staleness.regime=async"]),
     ("async k=4, 1+1 threads", 2, ["staleness=4", "staleness.regime=async"]),
+    (
+        "async k=2 + interrupt, 1+1 threads",
+        2,
+        ["staleness=2", "staleness.regime=async", "staleness.interrupt=true"],
+    ),
 ]
 
 
@@ -62,7 +73,6 @@ def child(spec: dict) -> dict:
         f"trainer.lr={LR}",
         f"trainer.prompts_per_step={PROMPTS}",
         f"rollout.n={N}",
-        f"rollout.max_tokens={ANSWER_TOKENS}",
         f"trainer.max_steps={spec['steps']}",
         "trainer.micro_batch_size=256",
         "trainer.log_samples=0",
@@ -83,6 +93,8 @@ def child(spec: dict) -> dict:
         "staleness_max": max(h["staleness/max"] for h in result.history),
         "staleness_mean": sum(h["staleness/mean"] for h in result.history) / len(result.history),
         "rollout_wait_s": sum(h["perf/rollout_s"] for h in steady) / len(steady),
+        "multi_version": sum(h["rollout/multi_version_frac"] for h in steady) / len(steady),
+        "max_tokens": cfg.rollout.max_tokens,
     }
 
 
@@ -108,39 +120,49 @@ def main() -> None:
     if args.child is not None:
         print(json.dumps(child(json.loads(args.child))))
         return
-    experiment = [f"experiment={args.experiment}"] if args.experiment else []
-    console = Console()
+    # a preset brings its own response budget (pairs: 40 tokens); plain arith answers take 8
+    experiment = (
+        [f"experiment={args.experiment}"]
+        if args.experiment
+        else [f"rollout.max_tokens={ANSWER_TOKENS}"]
+    )
+    console = Console(width=max(Console().width, 150))  # the table whole, also when piped
+    results = []
+    for label, threads, overrides in ROWS:
+        results.append((label, run_row(threads, overrides, args.steps, experiment)))
+        console.print(f"done: {label}", style="dim")
     title = (
         f"sync vs async, tiny model, {args.experiment or 'arith'}: {args.steps} updates of "
-        f"{PROMPTS} prompts × {N} samples, {ANSWER_TOKENS}-token answers"
+        f"{PROMPTS} prompts × {N} samples, at most {results[0][1]['max_tokens']} response tokens"
     )
     table = Table(title=title)
     for col in (
         "run",
         "samples/s",
-        "speed-up",
+        "vs sync 1 thread",
+        "vs sync 2 threads",
         "wall s",
         "final reward",
         "staleness max",
         "staleness mean",
+        "multi-version responses",
         "rollout wait s/step",
     ):
         table.add_column(col, justify="left" if col == "run" else "right")
-    base = None
-    for label, threads, overrides in ROWS:
-        r = run_row(threads, overrides, args.steps, experiment)
-        base = base or r["samples_per_s"]
+    one, two = results[0][1]["samples_per_s"], results[1][1]["samples_per_s"]
+    for label, r in results:
         table.add_row(
             label,
             f"{r['samples_per_s']:.0f}",
-            f"{r['samples_per_s'] / base:.2f}x",
+            f"{r['samples_per_s'] / one:.2f}x",
+            f"{r['samples_per_s'] / two:.2f}x",
             f"{r['wall_s']:.1f}",
             f"{r['reward']:.3f}",
             f"{r['staleness_max']:.0f}",
             f"{r['staleness_mean']:.2f}",
+            f"{r['multi_version']:.0%}",
             f"{r['rollout_wait_s']:.3f}",
         )
-        console.print(f"done: {label}", style="dim")
     console.print(table)
 
 

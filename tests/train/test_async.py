@@ -8,23 +8,32 @@ twice), also across a kill -9 of the trainer and a resume; the worker never outl
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
+import pickle
 import signal
 import subprocess
 import sys
 import time
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import psutil
 import pytest
+import torch
 
 from bapo_cli.config.preflight import PreflightError, preflight
+from bapo_cli.models import loading as models
+from bapo_cli.rollout.base import Sample, SamplingParams
 from bapo_cli.staleness.regimes import admission_capacity
+from bapo_cli.staleness.worker import GenerationWorker, WorkerSpec
 from bapo_cli.trainer import checkpoint
+from tests.rollout.conftest import perturb_embedding, score_with
 from tests.train.conftest import FAST, run_train
 
+F_GETPIPE_SZ = 1032  # fcntl: a pipe's capacity in bytes (Linux)
 PROMPTS, N = 8, 4  # FAST: prompts_per_step=8, rollout.n=4
 ASYNC = ("staleness.regime=async", f"trainer.log_samples={PROMPTS * N}")
 
@@ -70,10 +79,16 @@ def test_admission_rule_is_areals() -> None:
     assert admission_capacity(k=4, version=0, batch=8, accepted=0, running=4, max_concurrent=6) == 2
 
 
-@pytest.mark.parametrize("k", [1, 2])
-def test_staleness_never_exceeds_k_and_each_group_is_trained_once(tmp_path, k) -> None:
+@pytest.mark.parametrize(("k", "interrupt"), [(1, False), (2, False), (2, True)])
+def test_staleness_never_exceeds_k_and_each_group_is_trained_once(tmp_path, k, interrupt) -> None:
     steps = 8
-    result = run_train(tmp_path, f"staleness={k}", *ASYNC, f"trainer.max_steps={steps}")
+    result = run_train(
+        tmp_path,
+        f"staleness={k}",
+        *ASYNC,
+        f"trainer.max_steps={steps}",
+        f"staleness.interrupt={interrupt}",
+    )
     assert len(result.history) == steps
     stale = [u["staleness_max"] for u in result.updates]
     assert max(stale) <= k, stale
@@ -83,9 +98,108 @@ def test_staleness_never_exceeds_k_and_each_group_is_trained_once(tmp_path, k) -
     assert result.updates[0]["ratio_max"] == 1.0 == result.updates[0]["ratio_mean"]
     for sample in result.last_batch:
         assert len(sample.logprobs) == len(sample.response_ids) == len(sample.versions)
-        assert len(set(sample.versions)) == 1  # one unit, one set of weights
+        if interrupt:  # continued by newer weights at most: versions only go up
+            assert sample.versions == sorted(sample.versions)
+        else:
+            assert len(set(sample.versions)) == 1  # one unit, one set of weights
     _assert_each_group_once(_records(result.run_dir), steps)
     assert _workers() == []  # the worker is gone once train() returns
+
+
+def _worker_spec(*, interrupt: bool, max_tokens: int) -> tuple[WorkerSpec, Any, Any]:
+    """A worker spec for the tiny model as the trainer would make it; (spec, model, tokenizer)."""
+    cfg = preflight("train", FAST).config
+    model, tokenizer = models.load_policy(cfg.model)
+    spec = WorkerSpec(
+        model=cfg.model,
+        dtype=torch.float32,
+        autocast=None,
+        params=SamplingParams(temperature=1.0, max_tokens=max_tokens, seed=0),
+        micro_batch_size=64,
+        seed=0,
+        threads=1,
+        interrupt=interrupt,
+    )
+    return spec, model, tokenizer
+
+
+def _unit(tokenizer: Any, first_group: int, prompts: int, n: int) -> list[Sample]:
+    unit = []
+    for g in range(first_group, first_group + prompts):
+        ids = tokenizer(models.format_prompt(tokenizer, f"{g % 50}+{g % 7}="))["input_ids"]
+        unit += [Sample(prompt_ids=list(ids), group=g, problem=None) for _ in range(n)]
+    return unit
+
+
+def test_the_worker_runs_ahead_of_a_trainer_that_does_not_read(tmp_path) -> None:
+    # units far larger than a pipe's buffer: sent from the generating thread, the second would
+    # wait for the trainer to read the first, and the third would never start
+    spec, model, tokenizer = _worker_spec(interrupt=False, max_tokens=8)
+    worker = GenerationWorker(spec, model, version=0)
+    try:
+        units = [_unit(tokenizer, 128 * i, 128, 4) for i in range(3)]
+        for unit in units:
+            worker.submit(unit)
+        _wait_for(lambda: worker.generated.value == 3, 120, "three units generated, none read")
+        sizes = []
+        for unit in units:
+            got = worker.receive()
+            assert [s.group for s in got] == [s.group for s in unit]
+            assert all(s.done and len(s.logprobs) == len(s.response_ids) for s in got)
+            sizes.append(len(pickle.dumps(got)))
+        # the premise: the first two units overfill the pipe, so the third could not start if
+        # the generating thread had to wait for its sends
+        assert sum(sizes[:2]) > fcntl.fcntl(worker.results.fileno(), F_GETPIPE_SZ)
+    finally:
+        worker.close()
+    assert _workers() == []
+
+
+def test_new_weights_interrupt_the_worker_and_each_token_keeps_its_versions_logprob() -> None:
+    spec, model, tokenizer = _worker_spec(interrupt=True, max_tokens=16)
+    worker = GenerationWorker(spec, model, version=0)
+    states = {0: {k: v.clone() for k, v in model.state_dict().items()}}
+    try:
+        unit = _unit(tokenizer, 0, 16, 4)
+        worker.submit(unit)
+        version = 0
+        while not worker.results.poll(0.002):  # publish new weights until the unit comes back
+            version += 1
+            perturb_embedding(model, scale=0.02, seed=version)
+            states[version] = {k: v.clone() for k, v in model.state_dict().items()}
+            worker.publish(model, version)
+        got = worker.receive()
+    finally:
+        worker.close()
+    assert any(len(set(s.versions)) > 1 for s in got), "no response was interrupted"
+    for s in got:
+        assert len(s.versions) == len(s.logprobs) == len(s.response_ids)
+        assert s.versions == sorted(s.versions)
+    # each token's behaviour log-prob is its own version's (up to float32 summation order: the
+    # worker scored another batch layout on one thread), and clearly not the first version's
+    checked, moved = 0, 0.0
+    for v in sorted({v for s in got for v in s.versions}):
+        rescored = _rescore(model, tokenizer, states[v], got)
+        at_start = _rescore(model, tokenizer, states[0], got)
+        for s, r, r0 in zip(got, rescored, at_start, strict=True):
+            for i, token_version in enumerate(s.versions):
+                if token_version == v:
+                    assert s.logprobs[i] == pytest.approx(r.logprobs[i], abs=1e-4)
+                    moved = max(moved, abs(s.logprobs[i] - r0.logprobs[i]))
+                    checked += 1
+    assert checked == sum(len(s.response_ids) for s in got)
+    assert moved > 1e-2  # the versions' weights differ far beyond the tolerance
+
+
+def _rescore(model: Any, tokenizer: Any, state: dict, samples: list[Sample]) -> list[Sample]:
+    """`samples`' tokens scored again with the weights `state`."""
+    model.load_state_dict(state)
+    rescored = [
+        Sample(s.prompt_ids, s.group, None, list(s.response_ids), versions=list(s.versions))
+        for s in samples
+    ]
+    score_with(model, tokenizer, 1.0)(rescored)
+    return rescored
 
 
 def _bapo(run_dir: Path, *overrides: str) -> subprocess.Popen:
@@ -188,6 +302,12 @@ def test_a_dead_worker_stops_training_with_one_line(tmp_path) -> None:
             "algo.dynamic_sampling=True: refills a batch with new prompts once its rewards are "
             "known, which a worker that generates ahead does not do: use "
             "staleness.regime=reuse, replay or lag",
+        ),
+        (
+            ["staleness.regime=lag", "staleness.interrupt=true"],
+            "staleness.interrupt=True: pauses the responses a generation worker is sampling when "
+            "new weights arrive; only staleness.regime=async has a worker (in one process, "
+            "staleness.regime=partial continues responses with newer weights)",
         ),
         (
             ["staleness.k=0"],

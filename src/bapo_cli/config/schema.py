@@ -282,15 +282,29 @@ class StalenessConfig:
         "policy versions between generation and training; partial: versions a response may span",
     )
     regime: str = opt(
-        "reuse", "a key of bapo_cli.staleness.regimes.REGIMES: reuse | replay | partial | async"
+        "reuse",
+        "a key of bapo_cli.staleness.regimes.REGIMES: reuse | replay | lag | partial | async",
     )
     ppo_epochs: int = opt(1, "passes over each rollout batch (reuse); multiplies the updates")
+    interrupt: bool = opt(
+        False,
+        "async: newer weights pause the responses being generated, which continue with them "
+        "(tokens stamped per version; AReaL's interruptible rollout)",
+    )
 
     def check(self) -> None:
         _positive("k", self.k, allow_zero=True)
         _one_of("regime", self.regime, _regime_names())
         _positive("ppo_epochs", self.ppo_epochs)
         _regime(self.regime).check(self.k, self.ppo_epochs)
+        if self.interrupt and self.regime != "async":
+            raise ConfigError(
+                "interrupt",
+                True,
+                "pauses the responses a generation worker is sampling when new weights arrive; "
+                "only staleness.regime=async has a worker (in one process, staleness.regime="
+                "partial continues responses with newer weights)",
+            )
 
 
 DATA_KINDS = ("arith", "pairs", "dataset")

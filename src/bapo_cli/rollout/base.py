@@ -17,7 +17,7 @@ GRPO group) and, once graded, its reward.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -85,8 +85,15 @@ class RolloutEngine(Protocol):
     name: str
     version: int  # policy version of the weights the engine samples from
 
-    def generate(self, requests: Sequence[Request], params: SamplingParams) -> list[Generation]:
-        """One Generation per request, in order."""
+    def generate(
+        self,
+        requests: Sequence[Request],
+        params: SamplingParams,
+        interrupt: Callable[[], bool] | None = None,
+    ) -> list[Generation]:
+        """One Generation per request, in order. `interrupt`, asked as tokens are generated:
+        once it says yes, unfinished responses stop early (finish reason `budget`); engines that
+        cannot pause refuse it."""
         ...
 
     def sync_weights(self, model: torch.nn.Module, version: int) -> float:

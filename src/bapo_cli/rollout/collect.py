@@ -133,8 +133,14 @@ class Collector:
             self.next_group += 1
         return samples
 
-    def advance(self, samples: Sequence[Sample], budget: int | None = None) -> None:
-        """One generation round for every unfinished sample (at most `budget` new tokens)."""
+    def advance(
+        self,
+        samples: Sequence[Sample],
+        budget: int | None = None,
+        interrupt: Callable[[], bool] | None = None,
+    ) -> None:
+        """One generation round for every unfinished sample (at most `budget` new tokens; cut
+        short for all once `interrupt()` says yes: the async worker's `staleness.interrupt`)."""
         todo = [s for s in samples if not s.done]
         if not todo:
             return
@@ -147,7 +153,10 @@ class Collector:
             )
             for s in todo
         ]
-        generations = self.engine.generate(requests, self.params)
+        if interrupt is None:
+            generations = self.engine.generate(requests, self.params)
+        else:
+            generations = self.engine.generate(requests, self.params, interrupt=interrupt)
         version = self.engine.version
         starts = [len(s.response_ids) for s in todo]
         for s, gen in zip(todo, generations, strict=True):

@@ -15,9 +15,10 @@ its own log-probs too; the trainer scores its tokens the same way and logs the g
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
+from transformers import StoppingCriteria, StoppingCriteriaList
 
 from bapo_cli.models.loading import autocast_to
 from bapo_cli.rollout.base import (
@@ -65,14 +66,26 @@ class HFEngine:
         self.model = None
 
     @torch.no_grad()
-    def generate(self, requests: Sequence[Request], params: SamplingParams) -> list[Generation]:
+    def generate(
+        self,
+        requests: Sequence[Request],
+        params: SamplingParams,
+        interrupt: Callable[[], bool] | None = None,
+    ) -> list[Generation]:
+        """One Generation per request. `interrupt` (asked after every new token): when it says
+        yes, every unfinished response stops where it is, finish reason `budget`, to be
+        continued later (with new weights: `staleness.interrupt`)."""
         out: list[Generation] = []
         for start in range(0, len(requests), self.batch_size):
-            out += self._generate_batch(requests[start : start + self.batch_size], params)
+            batch = requests[start : start + self.batch_size]
+            out += self._generate_batch(batch, params, interrupt)
         return out
 
     def _generate_batch(
-        self, requests: Sequence[Request], params: SamplingParams
+        self,
+        requests: Sequence[Request],
+        params: SamplingParams,
+        interrupt: Callable[[], bool] | None = None,
     ) -> list[Generation]:
         device = next(self.model.parameters()).device
         rows = [list(r.prompt_ids) + list(r.prefix_ids) for r in requests]
@@ -98,6 +111,8 @@ class HFEngine:
             )
         if params.stop:
             kwargs.update(stop_strings=list(params.stop), tokenizer=self.tokenizer)
+        if interrupt is not None:
+            kwargs.update(stopping_criteria=StoppingCriteriaList([_Interrupt(interrupt)]))
         was_training = self.model.training
         self.model.eval()
         try:
@@ -121,3 +136,16 @@ class HFEngine:
         if params.stop and self.pad_id in kept:  # generate() pads rows ended by a stop string
             return Generation(kept[: kept.index(self.pad_id)], None, FINISH_STOP)
         return Generation(kept, None, FINISH_BUDGET)
+
+
+class _Interrupt(StoppingCriteria):
+    """Stops every row of a `generate()` call once `asked()` says yes (checked after each token).
+
+    Rows that already ended keep their end token; the others come back as they are and
+    `_finish` marks them `budget`, so the collector continues them in its next round."""
+
+    def __init__(self, asked: Callable[[], bool]) -> None:
+        self.asked = asked
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor, **_) -> torch.Tensor:
+        return torch.full((input_ids.shape[0],), bool(self.asked()), dtype=torch.bool)

@@ -54,7 +54,7 @@ import logging
 import os
 import random
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -137,7 +137,17 @@ class VLLMEngine:
 
     # ------------------------------------------------------------------------------ generate
 
-    def generate(self, requests: Sequence[Request], params: SamplingParams) -> list[Generation]:
+    def generate(
+        self,
+        requests: Sequence[Request],
+        params: SamplingParams,
+        interrupt: Callable[[], bool] | None = None,
+    ) -> list[Generation]:
+        if interrupt is not None:
+            raise ValueError(
+                "interruptible generation (staleness.interrupt) needs the transformers engine: "
+                "this vLLM engine generates each call to the end"
+            )
         if not requests:
             return []
         self._wake("weights", "kv_cache")

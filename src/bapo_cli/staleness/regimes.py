@@ -420,6 +420,7 @@ class AsyncRL(Regime):
             micro_batch_size=cfg.trainer.micro_batch_size,
             seed=self.collector.params.seed or 0,
             threads=threads,
+            interrupt=cfg.staleness.interrupt,
         )
         self.worker = GenerationWorker(spec, model, version)
         self._admit()

@@ -9,7 +9,9 @@ holds the GIL between kernels; two processes with one core each really run at th
 
 `requests` is a multiprocessing Queue (its feeder thread never blocks the trainer); `results` is a
 one-way pipe whose write end only the worker holds, so a worker that dies, even halfway through
-sending a unit, is an end-of-file for the trainer, never a read that waits forever.
+sending a unit, is an end-of-file for the trainer, never a read that waits forever. The worker
+writes to it from a sender thread, so it can be up to the k + 1 admitted units ahead instead of
+waiting for the trainer to read each one.
 
 Weights travel through shared memory, not through the queues: the trainer copies its parameters
 into tensors made with `share_memory_()` under a lock and bumps a version counter (`publish`,
@@ -17,6 +19,14 @@ milliseconds for the tiny model, and training never waits for the worker); the w
 into its own model between units, under the same lock, so it never samples from half-written
 weights. Every token is stamped with the version the worker's weights carry, and the worker scores
 its own samples with those weights: the behaviour log-probs are the behaviour policy's.
+
+Interruptible generation (`staleness.interrupt=true`, AReaL's interruptible rollout): the engine
+asks after every token whether newer weights have been published; if so the unit's unfinished
+responses stop, their tokens so far are scored with the weights that sampled them, the new
+weights are loaded, and the responses continue from where they stopped (the prompt and the
+partial response are re-encoded with the new weights: no key/value cache from the old ones is
+reused). A response can then carry tokens of several versions, each with its own behaviour
+log-prob, and the later tokens of a long response are fresher than its first.
 
 Which units the worker may start is decided by the trainer (`AsyncRL._admit`, AReaL's rule); the
 worker only takes what it is given, in order.
@@ -39,6 +49,7 @@ import ctypes
 import os
 import queue
 import signal
+import threading
 import traceback
 from dataclasses import dataclass, fields, replace
 from functools import partial
@@ -66,6 +77,9 @@ class WorkerSpec:
     micro_batch_size: int  # behaviour scoring in the trainer's micro-batch layout
     seed: int
     threads: int  # torch intra-op threads of the worker
+    # staleness.interrupt: newer published weights pause the unit being generated; its unfinished
+    # responses continue with the new weights (partial rollout), every token stamped with its own
+    interrupt: bool = False
 
 
 def unit_seed(seed: int, first_group: int) -> int:
@@ -86,11 +100,20 @@ class GenerationWorker:
             }
         self.version = ctx.Value("q", version, lock=False)  # guarded by self.lock
         self.lock = ctx.Lock()
+        self.generated = ctx.Value("q", 0)  # units the worker has finished (sent or queued)
         self.requests = ctx.Queue()
         self.results, results_end = ctx.Pipe(duplex=False)
         self.proc = ctx.Process(
             target=worker_main,
-            args=(spec, self.shared, self.version, self.lock, self.requests, results_end),
+            args=(
+                spec,
+                self.shared,
+                self.version,
+                self.lock,
+                self.requests,
+                results_end,
+                self.generated,
+            ),
             kwargs={"parent_pid": os.getpid()},
             name="bapo-generation",
             daemon=True,  # multiprocessing's exit handler ends it if close() never runs
@@ -149,7 +172,7 @@ class GenerationWorker:
         self.results.close()
         # drop the semaphores now: a traceback that keeps this handle alive until exit would
         # otherwise leave them to the resource tracker, which warns about "leaked" ones
-        self.requests = self.results = self.lock = self.version = None
+        self.requests = self.results = self.lock = self.version = self.generated = None
         self.shared = {}
 
 
@@ -163,12 +186,21 @@ def worker_main(
     lock: Any,
     requests: Any,
     results: Any,
+    generated: Any,
     *,
     parent_pid: int,
 ) -> None:
-    """The worker process: build a policy copy, then generate units until told to stop."""
+    """The worker process: build a policy copy, then generate units until told to stop.
+
+    Finished units go to a sender thread, so the worker starts its next unit while the trainer
+    has not yet read the last one (a unit is larger than a pipe's buffer: sent from this thread,
+    the write would wait for the trainer). How far ahead it may run is the trainer's admission
+    rule: it submits at most k + 1 units."""
     _die_with_parent(parent_pid)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C stops the trainer, which stops us
+    outbox: queue.Queue = queue.Queue()  # bounded by the admission rule: at most k + 1 units
+    sender = threading.Thread(target=_send_all, args=(outbox, results), daemon=True)
+    sender.start()
     try:
         generate = _build(spec)
         loaded = -1
@@ -178,12 +210,35 @@ def worker_main(
                 break
             loaded = generate.refresh(shared, version, lock, loaded)
             torch.manual_seed(unit_seed(spec.seed, unit[0].group))
-            generate.collector.advance(unit)
-            results.send(("unit", unit))  # waits while the trainer is k units behind
+            while True:
+                newer = _newer(version, loaded) if spec.interrupt else None
+                generate.collector.advance(unit, interrupt=newer)
+                if all(s.done for s in unit):
+                    break
+                loaded = generate.refresh(shared, version, lock, loaded)  # interrupted
+            with generated.get_lock():
+                generated.value += 1
+            outbox.put(("unit", unit))
     except BaseException:  # noqa: BLE001  (reported to the trainer, then this process ends)
-        with contextlib.suppress(OSError):
-            results.send(("error", traceback.format_exc()))
+        outbox.put(("error", traceback.format_exc()))
+        outbox.put(None)
+        sender.join(timeout=5)
         raise SystemExit(1) from None
+
+
+def _send_all(outbox: queue.Queue, results: Any) -> None:
+    """The sender thread: units (and a failure report) to the trainer, in order."""
+    while (item := outbox.get()) is not None:
+        try:
+            results.send(item)
+        except OSError:  # the trainer closed its end: nobody is reading any more
+            return
+
+
+def _newer(version: Any, loaded: int) -> Any:
+    """`interrupt` for the engine: have newer weights been published than the ones we sample
+    with? (read without the lock: a stale read only pauses one token later)"""
+    return lambda: version.value != loaded
 
 
 @dataclass

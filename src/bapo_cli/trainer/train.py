@@ -693,6 +693,9 @@ def _step_metrics(
         "reward/acc": sum(r > 0 for r in rewards) / len(rewards),
         "response/length_mean": sum(lengths) / len(lengths),
         "response/clip_frac": sum(s.finish_reason == "length" for s in batch) / len(batch),
+        # responses whose tokens came from more than one policy version: continued by newer
+        # weights (staleness.regime=partial, or async with staleness.interrupt)
+        "rollout/multi_version_frac": sum(len(set(s.versions)) > 1 for s in batch) / len(batch),
         "adv/zero_variance_frac": float(adv_stats.get("zero_variance_frac", 0.0)),
         "actor/lr": optimizer.param_groups[0]["lr"],
         "actor/updates": float(len(updates)),
