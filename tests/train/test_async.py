@@ -30,6 +30,7 @@ from bapo_cli.rollout.base import Sample, SamplingParams
 from bapo_cli.staleness.regimes import admission_capacity
 from bapo_cli.staleness.worker import GenerationWorker, WorkerSpec
 from bapo_cli.trainer import checkpoint
+from bapo_cli.trainer.train import train
 from tests.rollout.conftest import perturb_embedding, score_with
 from tests.train.conftest import FAST, run_train
 
@@ -111,6 +112,8 @@ def _worker_spec(*, interrupt: bool, max_tokens: int) -> tuple[WorkerSpec, Any, 
     cfg = preflight("train", FAST).config
     model, tokenizer = models.load_policy(cfg.model)
     spec = WorkerSpec(
+        engine="hf",
+        engine_cfg=cfg,
         model=cfg.model,
         dtype=torch.float32,
         autocast=None,
@@ -202,6 +205,30 @@ def _rescore(model: Any, tokenizer: Any, state: dict, samples: list[Sample]) -> 
     return rescored
 
 
+def test_a_vllm_worker_samples_and_the_trainer_keeps_its_logprobs_for_the_mismatch(
+    tmp_path,
+) -> None:
+    pytest.importorskip("vllm")
+    steps, k = 6, 2
+    cfg = preflight(
+        "train",
+        [o for o in FAST if not o.startswith("rollout=")]  # FAST pins rollout=hf
+        + ["rollout=vllm", f"staleness={k}", *ASYNC, f"trainer.max_steps={steps}"],
+    ).config
+    result = train(cfg, tmp_path / "run")
+    assert max(u["staleness_max"] for u in result.updates) <= k
+    # behaviour log-probs are still the worker's own forward in the trainer's layout
+    assert result.updates[0]["ratio_max"] == 1.0 == result.updates[0]["ratio_mean"]
+    for sample in result.last_batch:  # vLLM's own log-probs travel with the samples (TIS)
+        assert len(sample.engine_logprobs) == len(sample.response_ids) == len(sample.logprobs)
+    # the worker syncs vLLM to the weights it scores with: engine and trainer agree
+    mismatch = [h["rollout/logprob_abs_diff_max"] for h in result.history]
+    assert len(mismatch) == steps
+    assert max(mismatch) < 1e-3
+    _assert_each_group_once(_records(result.run_dir), steps)
+    assert _workers() == []
+
+
 def _bapo(run_dir: Path, *overrides: str) -> subprocess.Popen:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
     return subprocess.Popen(
@@ -278,9 +305,10 @@ def test_a_dead_worker_stops_training_with_one_line(tmp_path) -> None:
     ("overrides", "line"),
     [
         (
-            ["rollout=vllm"],
-            "rollout.name=vllm: staleness.regime=async generates with the transformers engine "
-            "in a CPU worker process: use rollout=hf (or auto)",
+            ["rollout=vllm", "staleness.interrupt=true"],
+            "staleness.interrupt=True: pauses responses between tokens, which the vLLM engine "
+            "cannot do (it generates each call to the end): use rollout=hf, or drop "
+            "staleness.interrupt",
         ),
         (
             ["trainer.strategy=fsdp2"],

@@ -172,9 +172,7 @@ class Collector:
         for s, start, gen in zip(todo, starts, generations, strict=True):
             trainer = s.logprobs[start : start + len(gen.token_ids)]  # empty if scoring deferred
             if gen.logprobs is not None and trainer:
-                diffs = [abs(a - b) for a, b in zip(trainer, gen.logprobs, strict=False)]
-                total, peak, count = self._mismatch
-                self._mismatch = [total + sum(diffs), max([peak, *diffs]), count + len(diffs)]
+                self._add_mismatch(trainer, gen.logprobs)
         if self.reward is not None or self.reward_many is not None:
             self.grade([s for s in todo if s.done])
 
@@ -190,6 +188,18 @@ class Collector:
             rewards = [self.reward(s.text, s.problem) for s in finished]
         for s, reward in zip(finished, rewards, strict=True):
             s.reward = float(reward)
+
+    def note_mismatch(self, samples: Sequence[Sample]) -> None:
+        """Count the train/rollout mismatch of samples generated elsewhere (the async worker's
+        engine): every token that has both a trainer and an engine log-prob."""
+        for s in samples:
+            if s.engine_logprobs:
+                self._add_mismatch(s.logprobs, s.engine_logprobs)
+
+    def _add_mismatch(self, trainer: Sequence[float], engine: Sequence[float]) -> None:
+        diffs = [abs(a - b) for a, b in zip(trainer, engine, strict=False)]
+        total, peak, count = self._mismatch
+        self._mismatch = [total + sum(diffs), max([peak, *diffs]), count + len(diffs)]
 
     def take_mismatch(self) -> dict[str, float]:
         """`rollout/logprob_abs_diff_{mean,max}` over the engine-scored tokens since the last call

@@ -125,6 +125,9 @@ class Regime:
     defer_first: ClassVar[bool] = False
     # runs under torchrun data parallelism (False: generation lives in a process of its own)
     data_parallel: ClassVar[bool] = True
+    # samples come from a generator of the regime's own (the async worker and its engine); the
+    # trainer's engine then only serves validation, on the trainer's own weights (transformers)
+    generates_elsewhere: ClassVar[bool] = False
 
     @classmethod
     def updates_per_batch(cls, k: int) -> int:
@@ -349,6 +352,7 @@ class AsyncRL(Regime):
     _threads: int | None = None  # this process's torch threads before start (restored on close)
 
     data_parallel: ClassVar[bool] = False
+    generates_elsewhere: ClassVar[bool] = True
 
     @classmethod
     def describe(cls, k: int, epochs: int) -> str:
@@ -369,12 +373,12 @@ class AsyncRL(Regime):
 
     @classmethod
     def check_run(cls, cfg: TrainConfig) -> None:
-        if cfg.rollout.name == "vllm":
+        if cfg.rollout.name == "vllm" and cfg.staleness.interrupt:
             raise ConfigError(
-                "rollout.name",
-                "vllm",
-                "staleness.regime=async generates with the transformers engine in a CPU worker "
-                "process: use rollout=hf (or auto)",
+                "staleness.interrupt",
+                True,
+                "pauses responses between tokens, which the vLLM engine cannot do (it generates "
+                "each call to the end): use rollout=hf, or drop staleness.interrupt",
             )
         if cfg.algo.dynamic_sampling:
             raise ConfigError(
@@ -401,6 +405,7 @@ class AsyncRL(Regime):
     def start(self, cfg: TrainConfig, model: Any, version: int) -> None:
         import torch
 
+        from bapo_cli.rollout.base import resolve_engine_name
         from bapo_cli.staleness.worker import GenerationWorker, WorkerError, WorkerSpec
 
         first = next(model.parameters())
@@ -413,6 +418,8 @@ class AsyncRL(Regime):
         threads = max(1, self._threads // 2)  # the cores this run was given, half each
         torch.set_num_threads(threads)
         spec = WorkerSpec(
+            engine=resolve_engine_name(cfg.rollout.name, first.device),
+            engine_cfg=cfg,
             model=cfg.model,
             dtype=first.dtype,
             autocast=getattr(self.collector.engine, "autocast", None),
@@ -450,6 +457,7 @@ class AsyncRL(Regime):
         if [s.group for s in unit] != [s.group for s in submitted]:
             raise RuntimeError("async: the worker returned units out of order")
         self.collector.grade(unit)
+        self.collector.note_mismatch(unit)  # an engine with its own log-probs (vLLM)
         self.collector.generated_tokens += sum(len(s.response_ids) for s in unit)
         self.consumed += 1
         return unit

@@ -37,6 +37,10 @@ whose trainer dies without cleaning up (kill -9) dies with it: Linux's parent-de
 (`prctl(PR_SET_PDEATHSIG)`) kills it at once, and where that is missing it notices the new parent
 process id within half a second while it waits for work.
 
+The engine is the run's (`rollout=hf` samples from the worker's policy copy itself; `rollout=vllm`
+builds a vLLM engine in the worker and loads each new version into it, its log-probs kept with the
+samples for TIS and the mismatch metric). Behaviour log-probs are always the policy copy's forward.
+
 CPU only here. On CUDA the same shape holds with the worker on its own GPU (or a vLLM engine) and
 NCCL broadcast / CUDA IPC in place of shared memory; docs/engines.md says what that path is and
 that it was not run.
@@ -70,6 +74,8 @@ class WorkerError(RuntimeError):
 class WorkerSpec:
     """What the worker needs to build its own policy copy and sample like the trainer would."""
 
+    engine: str  # a rollout engine name (hf, vllm), resolved
+    engine_cfg: Any  # TrainConfig: what an engine with its own weights (vLLM) is built from
     model: Any  # ModelConfig: architecture and tokenizer (weights come from shared memory)
     dtype: torch.dtype  # the trainer's stored weight dtype (float32 under mixed precision)
     autocast: torch.dtype | None  # mixed precision: sample and score in this dtype
@@ -262,8 +268,8 @@ def _build(spec: WorkerSpec) -> _Generate:
     import transformers
 
     from bapo_cli.models import loading as models
+    from bapo_cli.rollout.base import make_engine
     from bapo_cli.rollout.collect import Collector
-    from bapo_cli.rollout.hf import HFEngine
     from bapo_cli.trainer.policy import ResponseLogits, disable_dropout
 
     # no progress bars: the trainer's is the one to watch, and tqdm's lock is a semaphore that a
@@ -278,7 +284,10 @@ def _build(spec: WorkerSpec) -> _Generate:
     disable_dropout(model)
     model.train()  # the trainer's mode: the engine switches to eval only inside generate()
     model.requires_grad_(False)
-    engine = HFEngine(model, tokenizer, autocast=spec.autocast)
+    # hf samples from `model` itself; vLLM holds its own copy, loaded from `model` at refresh
+    engine = make_engine(
+        spec.engine, model=model, tokenizer=tokenizer, cfg=spec.engine_cfg, autocast=spec.autocast
+    )
     scorer = ResponseLogits(model, spec.autocast)
     score = partial(
         _score, scorer, tokenizer.pad_token_id, spec.micro_batch_size, spec.params.temperature

@@ -249,7 +249,9 @@ def _build(
     device = next(model.parameters()).device
     engine_name = resolve_engine_name(cfg.rollout.name, device)
     console.print(f"rollout engine: [bold]{engine_name}[/bold] (rollout={cfg.rollout.name})")
-    engine = make_engine(engine_name, model=model, tokenizer=tokenizer, cfg=cfg, autocast=autocast)
+    # async: the worker generates with `engine_name`; this process's engine only validates
+    mine = "hf" if REGIMES.get(cfg.staleness.regime).generates_elsewhere else engine_name
+    engine = make_engine(mine, model=model, tokenizer=tokenizer, cfg=cfg, autocast=autocast)
     optimizer, scheduler = _optimizer(cfg, model)
     run = Run(
         cfg=cfg,
