@@ -2,6 +2,7 @@
 
     python benchmarks/bench_async.py                      # data=arith, sync vs async k=1,2,4
     python benchmarks/bench_async.py --steps 40 --experiment pairs   # 40-token responses
+    python benchmarks/bench_async.py --steps 40 --experiment pairs --engine vllm
     just bench-async
 
 Every row trains the same number of steps (one optimizer update each) from the same seed, in a
@@ -16,10 +17,17 @@ fresh subprocess so thread settings and start-up are the same for all:
   responses being generated; they continue with the new weights).
 
 Printed: samples/s (samples trained per second of steady state: steps 2..N, after the worker has
-started), wall time to the last update (train() as a whole, start-up included), the final reward
-(mean of the last tenth of the steps) and the staleness the updates measured. The speed-up is
+started), wall time to the last update (train() as a whole, start-up included), cores busy (CPU
+seconds of the run and its worker over its wall time: what a row really used, whatever its
+thread settings say), the final reward (mean of the last tenth of the steps) and the staleness
+the updates measured. The speed-up is
 against sync on one core (the issue's comparison: one core each, 2 cores in all) and against
 sync on both cores (what a user gets without async).
+
+`--engine vllm` runs every row with `rollout=vllm` (sync: the colocated engine; async: a vLLM
+engine in the worker; no interrupt row, which vLLM refuses). On this CPU vLLM generates the tiny
+model's tokens more slowly than transformers, so generation dominates a step, as it does for real
+models on GPUs.
 
 `--experiment` takes the preset's own response budget (pairs: 40 tokens); without it the task is
 arith with 8-token answers.
@@ -32,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import resource
 import subprocess
 import sys
 import tempfile
@@ -68,7 +77,6 @@ def child(spec: dict) -> dict:
     torch.set_num_threads(spec["threads"])  # async splits these: trainer 1, worker 1
     overrides = [
         "algo=grpo",
-        "rollout=hf",
         "tracking=none",
         f"trainer.lr={LR}",
         f"trainer.prompts_per_step={PROMPTS}",
@@ -80,9 +88,10 @@ def child(spec: dict) -> dict:
         *spec["overrides"],
     ]
     cfg = preflight("train", overrides).config
-    t0 = time.perf_counter()
+    cpu0, t0 = _cpu_s(), time.perf_counter()
     result = train(cfg, Path(tempfile.mkdtemp()) / "run", Console(quiet=True))
     wall = time.perf_counter() - t0
+    cores = (_cpu_s() - cpu0) / wall  # this process and its (joined) worker
     steady = result.history[1:]
     samples = len(steady) * PROMPTS * N
     tail = result.history[-max(len(result.history) // 10, 1) :]
@@ -95,7 +104,17 @@ def child(spec: dict) -> dict:
         "rollout_wait_s": sum(h["perf/rollout_s"] for h in steady) / len(steady),
         "multi_version": sum(h["rollout/multi_version_frac"] for h in steady) / len(steady),
         "max_tokens": cfg.rollout.max_tokens,
+        "cores": cores,
     }
+
+
+def _cpu_s() -> float:
+    """CPU seconds of this process and its waited-for children (the async worker, once closed)."""
+    own, kids = (
+        resource.getrusage(resource.RUSAGE_SELF),
+        resource.getrusage(resource.RUSAGE_CHILDREN),
+    )
+    return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
 
 
 def run_row(threads: int, overrides: list[str], steps: int, experiment: list[str]) -> dict:
@@ -115,6 +134,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=60, help="optimizer updates per run")
     parser.add_argument("--experiment", default=None, help="e.g. pairs (experiment=pairs)")
+    parser.add_argument("--engine", default="hf", choices=["hf", "vllm"], help="rollout engine")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child is not None:
@@ -128,11 +148,15 @@ def main() -> None:
     )
     console = Console(width=max(Console().width, 150))  # the table whole, also when piped
     results = []
+    experiment.append(f"rollout={args.engine}")
     for label, threads, overrides in ROWS:
+        if args.engine == "vllm" and "staleness.interrupt=true" in overrides:
+            continue  # the vLLM engine cannot pause between tokens (refused)
         results.append((label, run_row(threads, overrides, args.steps, experiment)))
         console.print(f"done: {label}", style="dim")
     title = (
-        f"sync vs async, tiny model, {args.experiment or 'arith'}: {args.steps} updates of "
+        f"sync vs async, tiny model, {args.experiment or 'arith'}, rollout={args.engine}: "
+        f"{args.steps} updates of "
         f"{PROMPTS} prompts × {N} samples, at most {results[0][1]['max_tokens']} response tokens"
     )
     table = Table(title=title)
@@ -142,6 +166,7 @@ def main() -> None:
         "vs sync 1 thread",
         "vs sync 2 threads",
         "wall s",
+        "cores busy",
         "final reward",
         "staleness max",
         "staleness mean",
@@ -157,6 +182,7 @@ def main() -> None:
             f"{r['samples_per_s'] / one:.2f}x",
             f"{r['samples_per_s'] / two:.2f}x",
             f"{r['wall_s']:.1f}",
+            f"{r['cores']:.2f}",
             f"{r['reward']:.3f}",
             f"{r['staleness_max']:.0f}",
             f"{r['staleness_mean']:.2f}",

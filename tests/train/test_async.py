@@ -229,6 +229,26 @@ def test_a_vllm_worker_samples_and_the_trainer_keeps_its_logprobs_for_the_mismat
     assert _workers() == []
 
 
+def test_a_vllm_worker_is_closed_cleanly_when_training_ends(tmp_path) -> None:
+    # killed instead of closed, the worker's vLLM engine leaves its semaphores behind and
+    # Python's resource tracker warns about "leaked semaphore objects" as `bapo train` exits
+    pytest.importorskip("vllm")
+    fast = [o for o in FAST if not o.startswith("rollout=")]
+    done = subprocess.run(
+        [sys.executable, "-m", "bapo_cli", "train", *fast, "rollout=vllm", "staleness=2"]
+        # units big enough that the worker is still generating admitted ones when training ends
+        + ["trainer.prompts_per_step=32", "rollout.n=8", "trainer.micro_batch_size=256"]
+        + ["staleness.regime=async", "trainer.max_steps=3", f"hydra.run.dir={tmp_path / 'run'}"],
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)),
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "leaked" not in done.stderr, done.stderr[-2000:]
+    assert _workers() == []
+
+
 def _bapo(run_dir: Path, *overrides: str) -> subprocess.Popen:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
     return subprocess.Popen(

@@ -31,8 +31,9 @@ log-prob, and the later tokens of a long response are fresher than its first.
 Which units the worker may start is decided by the trainer (`AsyncRL._admit`, AReaL's rule); the
 worker only takes what it is given, in order.
 
-Shutdown: `close()` sends a stop request, then SIGTERM, then SIGKILL (the worker holds nothing
-worth saving, and may be blocked sending units generated ahead that nobody will read). A worker
+Shutdown: `close()` sets a stop event (seen before any queued unit: the worker closes its engine
+and exits), waits up to STOP_WAIT_S, then SIGTERM, then SIGKILL (the worker holds nothing worth
+saving, and may be in the middle of a unit nobody will read). A worker
 whose trainer dies without cleaning up (kill -9) dies with it: Linux's parent-death signal
 (`prctl(PR_SET_PDEATHSIG)`) kills it at once, and where that is missing it notices the new parent
 process id within half a second while it waits for work.
@@ -64,6 +65,7 @@ import torch
 from bapo_cli.rollout.base import Sample, SamplingParams
 
 POLL_S = 0.5  # how often a waiting side checks that the other is still alive
+STOP_WAIT_S = 2.0  # how long `close()` waits for the worker to stop cleanly before signals
 
 
 class WorkerError(RuntimeError):
@@ -107,6 +109,7 @@ class GenerationWorker:
         self.version = ctx.Value("q", version, lock=False)  # guarded by self.lock
         self.lock = ctx.Lock()
         self.generated = ctx.Value("q", 0)  # units the worker has finished (sent or queued)
+        self.stop = ctx.Event()  # close(): take no further unit, even if some are queued
         self.requests = ctx.Queue()
         self.results, results_end = ctx.Pipe(duplex=False)
         self.proc = ctx.Process(
@@ -119,6 +122,7 @@ class GenerationWorker:
                 self.requests,
                 results_end,
                 self.generated,
+                self.stop,
             ),
             kwargs={"parent_pid": os.getpid()},
             name="bapo-generation",
@@ -166,8 +170,11 @@ class GenerationWorker:
         if self.proc.pid is None or self.requests is None:
             return
         with contextlib.suppress(Exception):
+            self.stop.set()
             self.requests.put(None)
-        self.proc.join(timeout=0.2)  # an idle worker takes the stop request at once
+        # an idle worker takes the stop request at once and exits cleanly (its engine closed);
+        # one in the middle of a unit is stopped by signal below
+        self.proc.join(timeout=STOP_WAIT_S)
         for stop in (self.proc.terminate, self.proc.kill):
             if not self.proc.is_alive():
                 break
@@ -179,6 +186,7 @@ class GenerationWorker:
         # drop the semaphores now: a traceback that keeps this handle alive until exit would
         # otherwise leave them to the resource tracker, which warns about "leaked" ones
         self.requests = self.results = self.lock = self.version = self.generated = None
+        self.stop = None
         self.shared = {}
 
 
@@ -193,6 +201,7 @@ def worker_main(
     requests: Any,
     results: Any,
     generated: Any,
+    stop: Any,
     *,
     parent_pid: int,
 ) -> None:
@@ -211,7 +220,7 @@ def worker_main(
         generate = _build(spec)
         loaded = -1
         while True:
-            unit = _next_request(requests, parent_pid)
+            unit = _next_request(requests, parent_pid, stop)
             if unit is None:
                 break
             loaded = generate.refresh(shared, version, lock, loaded)
@@ -225,6 +234,9 @@ def worker_main(
             with generated.get_lock():
                 generated.value += 1
             outbox.put(("unit", unit))
+        # asked to stop: shut the engine down (vLLM's releases its semaphores, which a killed
+        # worker would leave to the resource tracker's "leaked" warning)
+        generate.engine.close()
     except BaseException:  # noqa: BLE001  (reported to the trainer, then this process ends)
         outbox.put(("error", traceback.format_exc()))
         outbox.put(None)
@@ -314,9 +326,11 @@ def _score(scorer, pad_id: int, size: int, temperature: float, samples: list[Sam
         record_behaviour(scorer, mb, temperature)
 
 
-def _next_request(requests: Any, parent_pid: int) -> list[Sample] | None:
+def _next_request(requests: Any, parent_pid: int, stop: Any) -> list[Sample] | None:
     """The next unit, or None to stop (asked to, or the trainer is gone)."""
     while True:
+        if stop.is_set():  # before any unit still queued: the trainer is closing
+            return None
         try:
             return requests.get(timeout=POLL_S)
         except queue.Empty:
