@@ -113,8 +113,7 @@ def _worker_spec(*, interrupt: bool, max_tokens: int) -> tuple[WorkerSpec, Any, 
     model, tokenizer = models.load_policy(cfg.model)
     spec = WorkerSpec(
         engine="hf",
-        engine_cfg=cfg,
-        model=cfg.model,
+        cfg=cfg,
         dtype=torch.float32,
         autocast=None,
         params=SamplingParams(temperature=1.0, max_tokens=max_tokens, seed=0),

@@ -419,8 +419,7 @@ class AsyncRL(Regime):
         torch.set_num_threads(threads)
         spec = WorkerSpec(
             engine=resolve_engine_name(cfg.rollout.name, first.device),
-            engine_cfg=cfg,
-            model=cfg.model,
+            cfg=cfg,
             dtype=first.dtype,
             autocast=getattr(self.collector.engine, "autocast", None),
             params=self.collector.params,

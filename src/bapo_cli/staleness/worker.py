@@ -77,8 +77,9 @@ class WorkerSpec:
     """What the worker needs to build its own policy copy and sample like the trainer would."""
 
     engine: str  # a rollout engine name (hf, vllm), resolved
-    engine_cfg: Any  # TrainConfig: what an engine with its own weights (vLLM) is built from
-    model: Any  # ModelConfig: architecture and tokenizer (weights come from shared memory)
+    # TrainConfig: the model (architecture and tokenizer; its weights come from shared memory)
+    # and what an engine with weights of its own (vLLM) is built from
+    cfg: Any
     dtype: torch.dtype  # the trainer's stored weight dtype (float32 under mixed precision)
     autocast: torch.dtype | None  # mixed precision: sample and score in this dtype
     params: SamplingParams
@@ -289,7 +290,7 @@ def _build(spec: WorkerSpec) -> _Generate:
     transformers.utils.logging.disable_progress_bar()
     torch.set_num_threads(spec.threads)
     torch.use_deterministic_algorithms(True, warn_only=True)
-    model_cfg = spec.model
+    model_cfg = spec.cfg.model
     if any(f.name == "gradient_checkpointing" for f in fields(model_cfg)):
         model_cfg = replace(model_cfg, gradient_checkpointing=False)  # no backward here
     model, tokenizer = models.load_policy(model_cfg, device=torch.device("cpu"), dtype=spec.dtype)
@@ -298,7 +299,7 @@ def _build(spec: WorkerSpec) -> _Generate:
     model.requires_grad_(False)
     # hf samples from `model` itself; vLLM holds its own copy, loaded from `model` at refresh
     engine = make_engine(
-        spec.engine, model=model, tokenizer=tokenizer, cfg=spec.engine_cfg, autocast=spec.autocast
+        spec.engine, model=model, tokenizer=tokenizer, cfg=spec.cfg, autocast=spec.autocast
     )
     scorer = ResponseLogits(model, spec.autocast)
     score = partial(
