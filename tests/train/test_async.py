@@ -109,18 +109,17 @@ def test_staleness_never_exceeds_k_and_each_group_is_trained_once(tmp_path, k, i
 
 def _worker_spec(*, interrupt: bool, max_tokens: int) -> tuple[WorkerSpec, Any, Any]:
     """A worker spec for the tiny model as the trainer would make it; (spec, model, tokenizer)."""
-    cfg = preflight("train", FAST).config
+    run = ["staleness=2", "staleness.regime=async", f"staleness.interrupt={interrupt}"]
+    cfg = preflight("train", [*FAST, "trainer.micro_batch_size=64", *run]).config
     model, tokenizer = models.load_policy(cfg.model)
     spec = WorkerSpec(
         engine="hf",
-        cfg=cfg,
+        cfg=cfg,  # also the worker's micro-batch layout and staleness.interrupt
         dtype=torch.float32,
         autocast=None,
         params=SamplingParams(temperature=1.0, max_tokens=max_tokens, seed=0),
-        micro_batch_size=64,
         seed=0,
         threads=1,
-        interrupt=interrupt,
     )
     return spec, model, tokenizer
 

@@ -153,7 +153,7 @@ class Collector:
             )
             for s in todo
         ]
-        if interrupt is None:
+        if interrupt is None:  # engines written before `interrupt` existed still work
             generations = self.engine.generate(requests, self.params)
         else:
             generations = self.engine.generate(requests, self.params, interrupt=interrupt)

@@ -423,10 +423,8 @@ class AsyncRL(Regime):
             dtype=first.dtype,
             autocast=getattr(self.collector.engine, "autocast", None),
             params=self.collector.params,
-            micro_batch_size=cfg.trainer.micro_batch_size,
             seed=self.collector.params.seed or 0,
             threads=threads,
-            interrupt=cfg.staleness.interrupt,
         )
         self.worker = GenerationWorker(spec, model, version)
         self._admit()

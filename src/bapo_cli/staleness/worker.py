@@ -77,18 +77,15 @@ class WorkerSpec:
     """What the worker needs to build its own policy copy and sample like the trainer would."""
 
     engine: str  # a rollout engine name (hf, vllm), resolved
-    # TrainConfig: the model (architecture and tokenizer; its weights come from shared memory)
-    # and what an engine with weights of its own (vLLM) is built from
+    # TrainConfig: the model (architecture and tokenizer; its weights come from shared memory),
+    # what an engine with weights of its own (vLLM) is built from, the trainer's micro-batch
+    # layout (behaviour scoring) and staleness.interrupt
     cfg: Any
     dtype: torch.dtype  # the trainer's stored weight dtype (float32 under mixed precision)
     autocast: torch.dtype | None  # mixed precision: sample and score in this dtype
     params: SamplingParams
-    micro_batch_size: int  # behaviour scoring in the trainer's micro-batch layout
     seed: int
     threads: int  # torch intra-op threads of the worker
-    # staleness.interrupt: newer published weights pause the unit being generated; its unfinished
-    # responses continue with the new weights (partial rollout), every token stamped with its own
-    interrupt: bool = False
 
 
 def unit_seed(seed: int, first_group: int) -> int:
@@ -227,7 +224,7 @@ def worker_main(
             loaded = generate.refresh(shared, version, lock, loaded)
             torch.manual_seed(unit_seed(spec.seed, unit[0].group))
             while True:
-                newer = _newer(version, loaded) if spec.interrupt else None
+                newer = _newer(version, loaded) if spec.cfg.staleness.interrupt else None
                 generate.collector.advance(unit, interrupt=newer)
                 if all(s.done for s in unit):
                     break
@@ -303,7 +300,11 @@ def _build(spec: WorkerSpec) -> _Generate:
     )
     scorer = ResponseLogits(model, spec.autocast)
     score = partial(
-        _score, scorer, tokenizer.pad_token_id, spec.micro_batch_size, spec.params.temperature
+        _score,
+        scorer,
+        tokenizer.pad_token_id,
+        spec.cfg.trainer.micro_batch_size,  # the trainer's layout
+        spec.params.temperature,
     )
     collector = Collector(
         engine=engine,
