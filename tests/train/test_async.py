@@ -158,30 +158,41 @@ def test_the_worker_runs_ahead_of_a_trainer_that_does_not_read(tmp_path) -> None
 
 def test_new_weights_interrupt_the_worker_and_each_token_keeps_its_versions_logprob() -> None:
     spec, model, tokenizer = _worker_spec(interrupt=True, max_tokens=16)
+    base = {k: v.clone() for k, v in model.state_dict().items()}
     worker = GenerationWorker(spec, model, version=0)
-    states = {0: {k: v.clone() for k, v in model.state_dict().items()}}
     try:
-        unit = _unit(tokenizer, 0, 16, 4)
-        worker.submit(unit)
-        version = 0
-        while not worker.results.poll(0.002):  # publish new weights until the unit comes back
-            version += 1
-            perturb_embedding(model, scale=0.02, seed=version)
-            states[version] = {k: v.clone() for k, v in model.state_dict().items()}
-            worker.publish(model, version)
-        got = worker.receive()
+        # one unit at version 0 first: the worker is built and waiting before any publishing
+        # starts (publishing through its seconds-long start made thousands of versions)
+        worker.submit(_unit(tokenizer, 0, 16, 4))
+        worker.receive()
+        # up to 3 units, new weights every ~2 ms while each is generated: the check is that
+        # interruption happens, not that one unit of tens of milliseconds saw a publish on a
+        # loaded machine (CI once ran the whole unit while this process was not scheduled)
+        version, units = 0, []
+        for attempt in range(3):
+            worker.submit(_unit(tokenizer, 16 * (attempt + 1), 16, 4))
+            while not worker.results.poll(0.002):  # publish new weights until the unit is back
+                version += 1
+                _load_version(model, base, version)
+                worker.publish(model, version)
+            units.append(worker.receive())
+            if any(len(set(s.versions)) > 1 for s in units[-1]):
+                break
     finally:
         worker.close()
-    assert any(len(set(s.versions)) > 1 for s in got), "no response was interrupted"
+    assert any(len(set(s.versions)) > 1 for s in units[-1]), "no response was interrupted"
+    # each token's behaviour log-prob is its own version's (up to float32 summation order: the
+    # worker scored another batch layout on one thread), and clearly not the first version's
+    got = [s for unit in units for s in unit]
     for s in got:
         assert len(s.versions) == len(s.logprobs) == len(s.response_ids)
         assert s.versions == sorted(s.versions)
-    # each token's behaviour log-prob is its own version's (up to float32 summation order: the
-    # worker scored another batch layout on one thread), and clearly not the first version's
+    model.load_state_dict(base)
+    at_start = _rescore(model, tokenizer, got)
     checked, moved = 0, 0.0
     for v in sorted({v for s in got for v in s.versions}):
-        rescored = _rescore(model, tokenizer, states[v], got)
-        at_start = _rescore(model, tokenizer, states[0], got)
+        _load_version(model, base, v)
+        rescored = _rescore(model, tokenizer, got)
         for s, r, r0 in zip(got, rescored, at_start, strict=True):
             for i, token_version in enumerate(s.versions):
                 if token_version == v:
@@ -192,9 +203,16 @@ def test_new_weights_interrupt_the_worker_and_each_token_keeps_its_versions_logp
     assert moved > 1e-2  # the versions' weights differ far beyond the tolerance
 
 
-def _rescore(model: Any, tokenizer: Any, state: dict, samples: list[Sample]) -> list[Sample]:
-    """`samples`' tokens scored again with the weights `state`."""
-    model.load_state_dict(state)
+def _load_version(model: Any, base: dict, version: int) -> None:
+    """The test's weights of `version`: the starting weights plus version-seeded noise on the
+    embedding (each version as far from the start as any other; none kept in memory)."""
+    model.load_state_dict(base)
+    if version:
+        perturb_embedding(model, scale=0.02, seed=version)
+
+
+def _rescore(model: Any, tokenizer: Any, samples: list[Sample]) -> list[Sample]:
+    """`samples`' tokens scored again with `model`'s current weights."""
     rescored = [
         Sample(s.prompt_ids, s.group, None, list(s.response_ids), versions=list(s.versions))
         for s in samples
