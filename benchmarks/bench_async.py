@@ -3,6 +3,7 @@
     python benchmarks/bench_async.py                      # data=arith, sync vs async k=1,2,4
     python benchmarks/bench_async.py --steps 40 --experiment pairs   # 40-token responses
     python benchmarks/bench_async.py --steps 40 --experiment pairs --engine vllm
+    python benchmarks/bench_async.py --steps 100 --experiment pairs --only "async k=2" --seeds 0,1,2
     just bench-async
 
 Every row trains the same number of steps (one optimizer update each) from the same seed, in a
@@ -19,7 +20,8 @@ fresh subprocess so thread settings and start-up are the same for all:
 Printed: samples/s (samples trained per second of steady state: steps 2..N, after the worker has
 started), wall time to the last update (train() as a whole, start-up included), cores busy (CPU
 seconds of the run and its worker over its wall time: what a row really used, whatever its
-thread settings say), the final reward (mean of the last tenth of the steps) and the staleness
+thread settings say), the final reward (mean of the last tenth of the steps), the reward over the
+run (mean of all steps: how fast it learned) and the staleness
 the updates measured. The speed-up is
 against sync on one core (the issue's comparison: one core each, 2 cores in all) and against
 sync on both cores (what a user gets without async).
@@ -32,6 +34,11 @@ models on GPUs.
 `--experiment` takes the preset's own response budget (pairs: 40 tokens); without it the task is
 arith with 8-token answers.
 
+`--only TEXT` keeps the rows whose label contains TEXT (and the two sync rows, which the speed-ups
+are against); `--seeds 0,1,2` repeats the rows with each seed (trainer.seed and data.seed: the
+same model, other samples and prompt order) and adds a table across the seeds: the median
+speed-up and the reward's mean and standard deviation, the seeds paired row by row.
+
 The goal is >= 1.5x samples/s at k=2 on 2 cores. Numbers depend on the machine being idle: on a
 shared machine both the absolute rates and the speed-up are noisy.
 """
@@ -41,6 +48,7 @@ from __future__ import annotations
 import argparse
 import json
 import resource
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -84,6 +92,8 @@ def child(spec: dict) -> dict:
         f"trainer.max_steps={spec['steps']}",
         "trainer.micro_batch_size=256",
         "trainer.log_samples=0",
+        f"trainer.seed={spec['seed']}",
+        f"data.seed={spec['seed']}",
         *spec["experiment"],
         *spec["overrides"],
     ]
@@ -99,6 +109,7 @@ def child(spec: dict) -> dict:
         "samples_per_s": samples / sum(h["perf/step_s"] for h in steady),
         "wall_s": wall,
         "reward": sum(h["reward/mean"] for h in tail) / len(tail),
+        "reward_all": sum(h["reward/mean"] for h in result.history) / len(result.history),
         "staleness_max": max(h["staleness/max"] for h in result.history),
         "staleness_mean": sum(h["staleness/mean"] for h in result.history) / len(result.history),
         "rollout_wait_s": sum(h["perf/rollout_s"] for h in steady) / len(steady),
@@ -117,8 +128,16 @@ def _cpu_s() -> float:
     return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
 
 
-def run_row(threads: int, overrides: list[str], steps: int, experiment: list[str]) -> dict:
-    spec = {"threads": threads, "overrides": overrides, "steps": steps, "experiment": experiment}
+def run_row(
+    threads: int, overrides: list[str], steps: int, experiment: list[str], seed: int
+) -> dict:
+    spec = {
+        "threads": threads,
+        "overrides": overrides,
+        "steps": steps,
+        "experiment": experiment,
+        "seed": seed,
+    }
     done = subprocess.run(
         [sys.executable, __file__, "--child", json.dumps(spec)],
         capture_output=True,
@@ -135,30 +154,47 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=60, help="optimizer updates per run")
     parser.add_argument("--experiment", default=None, help="e.g. pairs (experiment=pairs)")
     parser.add_argument("--engine", default="hf", choices=["hf", "vllm"], help="rollout engine")
+    parser.add_argument("--only", default=None, help="rows whose label contains this (+ sync)")
+    parser.add_argument("--seeds", default="0", help="comma-separated seeds, e.g. 0,1,2")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child is not None:
         print(json.dumps(child(json.loads(args.child))))
         return
+    seeds = [int(s) for s in args.seeds.split(",")]
     # a preset brings its own response budget (pairs: 40 tokens); plain arith answers take 8
     experiment = (
         [f"experiment={args.experiment}"]
         if args.experiment
         else [f"rollout.max_tokens={ANSWER_TOKENS}"]
     )
-    console = Console(width=max(Console().width, 150))  # the table whole, also when piped
-    results = []
     experiment.append(f"rollout={args.engine}")
-    for label, threads, overrides in ROWS:
-        if args.engine == "vllm" and "staleness.interrupt=true" in overrides:
-            continue  # the vLLM engine cannot pause between tokens (refused)
-        results.append((label, run_row(threads, overrides, args.steps, experiment)))
-        console.print(f"done: {label}", style="dim")
-    title = (
-        f"sync vs async, tiny model, {args.experiment or 'arith'}, rollout={args.engine}: "
-        f"{args.steps} updates of "
-        f"{PROMPTS} prompts × {N} samples, at most {results[0][1]['max_tokens']} response tokens"
-    )
+    rows = [
+        (label, threads, overrides)
+        for label, threads, overrides in ROWS
+        if not (args.engine == "vllm" and "staleness.interrupt=true" in overrides)  # refused
+        and (args.only is None or args.only in label or label.startswith("sync"))
+    ]
+    console = Console(width=max(Console().width, 150))  # the table whole, also when piped
+    by_seed = []
+    for seed in seeds:
+        results = []
+        for label, threads, overrides in rows:
+            results.append((label, run_row(threads, overrides, args.steps, experiment, seed)))
+            console.print(f"done: {label}, seed {seed}", style="dim")
+        title = (
+            f"sync vs async, tiny model, {args.experiment or 'arith'}, rollout={args.engine}, "
+            f"seed {seed}: {args.steps} updates of {PROMPTS} prompts × {N} samples, at most "
+            f"{results[0][1]['max_tokens']} response tokens"
+        )
+        console.print(seed_table(title, results))
+        by_seed.append(results)
+    if len(seeds) > 1:
+        console.print(across_seeds(seeds, by_seed))
+
+
+def seed_table(title: str, results: list[tuple[str, dict]]) -> Table:
+    """One seed's rows: speed, staleness and reward."""
     table = Table(title=title)
     for col in (
         "run",
@@ -168,6 +204,7 @@ def main() -> None:
         "wall s",
         "cores busy",
         "final reward",
+        "reward over the run",
         "staleness max",
         "staleness mean",
         "multi-version responses",
@@ -184,12 +221,45 @@ def main() -> None:
             f"{r['wall_s']:.1f}",
             f"{r['cores']:.2f}",
             f"{r['reward']:.3f}",
+            f"{r['reward_all']:.3f}",
             f"{r['staleness_max']:.0f}",
             f"{r['staleness_mean']:.2f}",
             f"{r['multi_version']:.0%}",
             f"{r['rollout_wait_s']:.3f}",
         )
-    console.print(table)
+    return table
+
+
+def across_seeds(seeds: list[int], by_seed: list[list[tuple[str, dict]]]) -> Table:
+    """Each row over the seeds: median speed-ups, and reward as mean ± std (n = len(seeds))."""
+    table = Table(title=f"across seeds {','.join(map(str, seeds))} (mean ± std unless median)")
+    for col in (
+        "run",
+        "vs sync 1 thread (median)",
+        "vs sync 2 threads (median)",
+        "final reward",
+        "reward over the run",
+        "staleness mean",
+    ):
+        table.add_column(col, justify="left" if col == "run" else "right")
+    for i, (label, _) in enumerate(by_seed[0]):
+        runs = [results[i][1] for results in by_seed]
+        rates = [r["samples_per_s"] for r in runs]
+        one = [results[0][1]["samples_per_s"] for results in by_seed]
+        two = [results[1][1]["samples_per_s"] for results in by_seed]
+        table.add_row(
+            label,
+            f"{statistics.median(r / o for r, o in zip(rates, one, strict=True)):.2f}x",
+            f"{statistics.median(r / t for r, t in zip(rates, two, strict=True)):.2f}x",
+            _mean_std([r["reward"] for r in runs]),
+            _mean_std([r["reward_all"] for r in runs]),
+            f"{statistics.mean(r['staleness_mean'] for r in runs):.2f}",
+        )
+    return table
+
+
+def _mean_std(values: list[float]) -> str:
+    return f"{statistics.mean(values):.3f} ± {statistics.stdev(values):.3f}"
 
 
 if __name__ == "__main__":
