@@ -155,13 +155,15 @@ def main() -> None:
     parser.add_argument("--experiment", default=None, help="e.g. pairs (experiment=pairs)")
     parser.add_argument("--engine", default="hf", choices=["hf", "vllm"], help="rollout engine")
     parser.add_argument("--only", default=None, help="rows whose label contains this (+ sync)")
-    parser.add_argument("--seeds", default="0", help="comma-separated seeds, e.g. 0,1,2")
+    parser.add_argument(
+        "--seeds", default=[0], type=_seed_list, help="comma-separated seeds, e.g. 0,1,2"
+    )
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child is not None:
         print(json.dumps(child(json.loads(args.child))))
         return
-    seeds = [int(s) for s in args.seeds.split(",")]
+    seeds = args.seeds
     # a preset brings its own response budget (pairs: 40 tokens); plain arith answers take 8
     experiment = (
         [f"experiment={args.experiment}"]
@@ -175,6 +177,9 @@ def main() -> None:
         if not (args.engine == "vllm" and "staleness.interrupt=true" in overrides)  # refused
         and (args.only is None or args.only in label or label.startswith("sync"))
     ]
+    if args.only is not None and all(label.startswith("sync") for label, _, _ in rows):
+        labels = ", ".join(label for label, _, _ in ROWS if not label.startswith("sync"))
+        parser.error(f"--only {args.only!r} matches no row besides sync; rows: {labels}")
     console = Console(width=max(Console().width, 150))  # the table whole, also when piped
     by_seed = []
     for seed in seeds:
@@ -191,6 +196,17 @@ def main() -> None:
         by_seed.append(results)
     if len(seeds) > 1:
         console.print(across_seeds(seeds, by_seed))
+
+
+def _seed_list(text: str) -> list[int]:
+    """`--seeds`: distinct integers separated by commas."""
+    try:
+        seeds = [int(part) for part in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected integers like 0,1,2") from None
+    if len(set(seeds)) != len(seeds):
+        raise argparse.ArgumentTypeError(f"{text!r}: a seed appears twice")
+    return seeds
 
 
 def seed_table(title: str, results: list[tuple[str, dict]]) -> Table:

@@ -167,7 +167,7 @@ def test_new_weights_interrupt_the_worker_and_each_token_keeps_its_versions_logp
         worker.receive()
         # up to 3 units, new weights every ~2 ms while each is generated: the check is that
         # interruption happens, not that one unit of tens of milliseconds saw a publish on a
-        # loaded machine (CI once ran the whole unit while this process was not scheduled)
+        # loaded machine (CI once saw no response interrupted; the interleaving was not found)
         version, units = 0, []
         for attempt in range(3):
             worker.submit(_unit(tokenizer, 16 * (attempt + 1), 16, 4))
