@@ -90,6 +90,26 @@ class TinyModelConfig:
 
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+@dataclass
+class LoraConfig:
+    """LoRA adapters (PEFT) instead of full fine-tuning; dropout is always 0 (RL scores the
+    policy that sampled). See bapo_cli.models.lora."""
+
+    rank: int = opt(0, "adapter rank; 0 = off (full fine-tuning)")
+    alpha: float = opt(32.0, "scale: the update is (alpha / rank) B A")
+    target_modules: list[str] = opt(
+        ["all-linear"], "layers given adapters: module names (q_proj, ...) or [all-linear]"
+    )
+
+    def check(self) -> None:
+        _positive("rank", self.rank, allow_zero=True)
+        _positive("alpha", self.alpha)
+        if not self.target_modules or any(not str(t) for t in self.target_modules):
+            raise ConfigError(
+                "target_modules", self.target_modules, "must name modules, or be [all-linear]"
+            )
+
+
 DEVICES = ("auto", "cpu", "cuda")
 
 
@@ -102,6 +122,10 @@ class ModelConfig:
     dtype: str = opt("auto", "auto = bfloat16 on CUDA, float32 on CPU")
     device: str = opt("auto", "auto = cuda when available, else cpu")
     gradient_checkpointing: bool = opt(False, "recompute activations to save memory")
+    lora: LoraConfig = field(
+        default_factory=LoraConfig,
+        metadata={"help": "LoRA adapters: model.lora.rank=8 trains adapters only"},
+    )
     trust_remote_code: bool = opt(False, "allow custom modelling code from the hub")
     max_model_len: int = opt(256, "prompt + response tokens the engines must hold")
     tiny: TinyModelConfig | None = opt(None, "settings of the tiny model (only for path=tiny)")

@@ -2,6 +2,7 @@
 
     model.path=tiny                      the locally built, warmed-up tiny Qwen2 (models/tiny.py)
     model.path=/path/to/checkpoint       any HF directory (config.json + weights + tokenizer)
+    model.path=/path/to/lora/checkpoint  a LoRA checkpoint: its base with the adapter merged in
     model.path=Qwen/Qwen2.5-Math-1.5B    a hub id, through the HF cache (needs a network once)
 
 Device `auto` is CUDA when available, else CPU; dtype `auto` is bfloat16 on CUDA and float32 on
@@ -96,6 +97,10 @@ def load_checkpoint(
     directory = Path(directory).expanduser()
     if not directory.is_dir():
         raise ModelLoadError(f"model.path={directory}: no such directory")
+    if (directory / "adapter_config.json").is_file() and not (directory / "config.json").exists():
+        from bapo_cli.models import lora  # a LoRA checkpoint: its base with the adapter merged
+
+        return lora.merged_model(directory, device, dtype, trust_remote_code=trust_remote_code)
     if not (directory / "config.json").is_file():
         raise ModelLoadError(f"model.path={directory}: not a HF model directory (no config.json)")
     what = "the local directory could not be loaded"
