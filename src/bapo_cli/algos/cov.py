@@ -1,0 +1,239 @@
+"""Clip-Cov and KL-Cov (Cui et al., "The Entropy Mechanism of Reinforcement Learning for Reasoning
+Language Models", arXiv 2505.22617): entropy control through the covariance of a token's
+log-probability and its advantage. Written after verl's `compute_policy_loss_clip_cov` /
+`compute_policy_loss_kl_cov` (adapted there from PRIME-RL/Entropy-Mechanism-of-RL); formulas
+and defaults in docs/algorithms.md.
+
+Per loss call, over the valid tokens (means over the same tokens, everything detached):
+
+    cov_t = (A_t - mean A) * (log pi_theta(y_t) - mean log pi_theta)
+
+A token with a large positive cov_t is a confident token being pushed further (or an unlikely
+one pushed down): the updates that collapse entropy. Clip-Cov (`clip_cov`) detaches a few of them
+(loss and gradient 0): of the tokens the ratio clip left active with cov in (cov_lb, cov_ub),
+max(1, floor(clip_ratio * n)) picked at random (torch's global generator, as verl). KL-Cov
+(`kl_cov`) adds kl_coef * |log r_t| to the loss of the max(1, floor(kl_cov_ratio * n)) tokens
+with the largest cov_t, and clips no ratio at all (verl's kl_cov has no clip either).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from bapo_cli.algos.core import (
+    REGISTRY,
+    Tensor,
+    Tokens,
+    _check_agg,
+    _check_dual_clip,
+    aggregate,
+    check_eps,
+    prepare_tokens,
+    surrogate_dropping,
+    surrogate_metrics,
+    token_activity,
+)
+from bapo_cli.algos.params import ParamError, number, param
+
+
+def _check_share(name: str, value: Any) -> None:
+    if not 0.0 < number(name, value) <= 1.0:
+        raise ParamError(name, value, "must be within (0, 1]")
+
+
+def covariance(tok: Tokens, log_prob: Tensor) -> Tensor:
+    """cov_t = (A - mean A)(log pi - mean log pi) over the valid tokens, detached; 0 elsewhere."""
+    with torch.no_grad():
+        n = tok.n_valid.clamp(min=1)
+        logp = torch.where(tok.valid, log_prob.detach(), 0.0)
+        adv_c = tok.adv - tok.adv.sum() / n
+        logp_c = logp - logp.sum() / n
+        return torch.where(tok.valid, adv_c * logp_c, 0.0)
+
+
+def _how_many(share: float, tok: Tokens) -> int:
+    """max(1, floor(share * n_valid)): verl's count (one host read)."""
+    return max(int(share * float(tok.n_valid)), 1)
+
+
+@dataclass(frozen=True)
+class ClipCovParams:
+    """Clip-Cov: detach a few random high-covariance tokens from the clipped surrogate."""
+
+    clip_ratio: float = param(
+        2e-4, "share of the valid tokens to detach (paper and verl: 2e-4; at least one token)"
+    )
+    cov_lb: float = param(1.0, "lower bound of the covariance of a token that may be detached")
+    cov_ub: float = param(5.0, "upper bound of the covariance of a token that may be detached")
+    eps_low: float = param(0.2, "ratio clip: c_low = 1 - eps_low (verl's clip_ratio 0.2)")
+    eps_high: float = param(0.2, "ratio clip: c_high = 1 + eps_high (verl's clip_ratio 0.2)")
+
+    def __post_init__(self) -> None:
+        self.check()
+
+    def check(self) -> None:
+        _check_share("clip_ratio", self.clip_ratio)
+        lb, ub = number("cov_lb", self.cov_lb), number("cov_ub", self.cov_ub)
+        if not (math.isfinite(lb) and math.isfinite(ub) and lb < ub):
+            raise ParamError("cov_ub", self.cov_ub, f"must be finite and > cov_lb ({self.cov_lb})")
+        check_eps(self.eps_low, self.eps_high)
+
+    def describe(self) -> str:
+        return (
+            f"[{1 - self.eps_low:g}, {1 + self.eps_high:g}], {self.clip_ratio:g} of the tokens "
+            f"with covariance in ({self.cov_lb:g}, {self.cov_ub:g}) detached"
+        )
+
+
+def clip_cov_drop(tok: Tokens, log_prob: Tensor, active: Tensor, params: ClipCovParams) -> Tensor:
+    """Bool: the tokens Clip-Cov detaches, drawn with torch's global generator as verl does (a
+    permutation of the candidates in row-major order, the first k kept)."""
+    with torch.no_grad():
+        cov = covariance(tok, log_prob)
+        candidates = active & (cov > params.cov_lb) & (cov < params.cov_ub)
+        where = candidates.reshape(-1).nonzero().squeeze(-1)
+        drop = torch.zeros(candidates.numel(), dtype=torch.bool, device=candidates.device)
+        if where.numel():
+            k = min(_how_many(float(params.clip_ratio), tok), where.numel())
+            drop[where[torch.randperm(where.numel())[:k].to(where.device)]] = True
+        return drop.reshape(candidates.shape)
+
+
+@REGISTRY.register("clip_cov", params=ClipCovParams)
+def clip_cov_loss(
+    log_prob: Tensor,
+    old_log_prob: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    *,
+    clip_ratio: float = ClipCovParams.clip_ratio,
+    cov_lb: float = ClipCovParams.cov_lb,
+    cov_ub: float = ClipCovParams.cov_ub,
+    eps_low: float = ClipCovParams.eps_low,
+    eps_high: float = ClipCovParams.eps_high,
+    dual_clip: float | None = None,
+    agg: str = "token-mean",
+    global_tokens: float | Tensor | None = None,
+    global_seqs: float | Tensor | None = None,
+    norm_len: float | None = None,
+) -> tuple[Tensor, dict[str, Any]]:
+    """Clip-Cov (module docstring): the clipped surrogate, with the detached tokens' loss and
+    gradient 0 (they stay in the normaliser, as verl multiplies their loss by 0). Candidates are
+    the tokens the clip left active (verl: not clipped by the ratio). clipfrac_low /
+    clipfrac_high count the detached tokens with the ratio-clipped ones. verl's clip_cov has no
+    dual clip; the preset sets dual_clip: null, the option still applies if set."""
+    params = ClipCovParams(
+        clip_ratio=clip_ratio, cov_lb=cov_lb, cov_ub=cov_ub, eps_low=eps_low, eps_high=eps_high
+    )
+    c_low, c_high = 1.0 - float(eps_low), 1.0 + float(eps_high)
+    dual_clip = _check_dual_clip(dual_clip, c_low)
+    _check_agg(agg, log_prob.dim())
+    tok = prepare_tokens(log_prob, old_log_prob, advantages, mask)
+    active_pos, active_neg = token_activity(tok, c_low, c_high, dual_clip)
+    # verl's candidates: not clipped by the ratio (A = 0 tokens included, harmlessly: 0 loss)
+    unclipped = tok.valid & ~((tok.pos & ~active_pos) | (tok.neg & ~active_neg))
+    drop = clip_cov_drop(tok, log_prob, unclipped, params)
+    return surrogate_dropping(
+        tok,
+        drop,
+        c_low,
+        c_high,
+        in_denominator=True,
+        dual_clip=dual_clip,
+        agg=agg,
+        global_tokens=global_tokens,
+        global_seqs=global_seqs,
+        norm_len=norm_len,
+    )
+
+
+@dataclass(frozen=True)
+class KLCovParams:
+    """KL-Cov: a |log r| penalty on the highest-covariance tokens, no ratio clip."""
+
+    kl_cov_ratio: float = param(
+        2e-3,
+        "share of the valid tokens penalised (paper, 7B models: 2e-3; verl's code default 2e-4, "
+        "the paper's 32B value; at least one token)",
+    )
+    kl_coef: float = param(1.0, "coefficient of |log r| on the penalised tokens (paper, verl: 1)")
+
+    def __post_init__(self) -> None:
+        self.check()
+
+    def check(self) -> None:
+        _check_share("kl_cov_ratio", self.kl_cov_ratio)
+        if not 0.0 <= number("kl_coef", self.kl_coef) < math.inf:
+            raise ParamError("kl_coef", self.kl_coef, "must be a finite number >= 0")
+
+    def describe(self) -> str:
+        return (
+            f"no ratio clip; {self.kl_coef:g} |log r| on the {self.kl_cov_ratio:g} of the tokens "
+            f"with the largest covariance"
+        )
+
+
+def kl_cov_select(tok: Tokens, log_prob: Tensor, share: float) -> Tensor:
+    """Bool: the k = max(1, floor(share * n)) valid tokens with the largest covariance."""
+    with torch.no_grad():
+        selected = torch.zeros(tok.valid.numel(), dtype=torch.bool, device=tok.valid.device)
+        where = tok.valid.reshape(-1).nonzero().squeeze(-1)
+        if where.numel():
+            cov = covariance(tok, log_prob).reshape(-1)[where]
+            top = torch.topk(cov, min(_how_many(share, tok), where.numel()), largest=True).indices
+            selected[where[top]] = True
+        return selected.reshape(tok.valid.shape)
+
+
+@REGISTRY.register("kl_cov", params=KLCovParams)
+def kl_cov_loss(
+    log_prob: Tensor,
+    old_log_prob: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    *,
+    kl_cov_ratio: float = KLCovParams.kl_cov_ratio,
+    kl_coef: float = KLCovParams.kl_coef,
+    dual_clip: float | None = None,
+    agg: str = "token-mean",
+    global_tokens: float | Tensor | None = None,
+    global_seqs: float | Tensor | None = None,
+    norm_len: float | None = None,
+) -> tuple[Tensor, dict[str, Any]]:
+    """KL-Cov (module docstring): loss_t = -A_t r_t + kl_coef |log r_t| [t selected].
+
+    Every token with A != 0 carries gradient (no clip). clipfrac_low / clipfrac_high count the
+    penalised tokens (A < 0 / A > 0). KL-Cov has no bounds: c_low reports 0 (no lower bound, as
+    CISPO) and c_high the largest ratio of the call (nothing above it was clipped). dual_clip is
+    not used (verl's kl_cov has none)."""
+    KLCovParams(kl_cov_ratio=kl_cov_ratio, kl_coef=kl_coef)
+    _check_agg(agg, log_prob.dim())
+    tok = prepare_tokens(log_prob, old_log_prob, advantages, mask)
+    selected = kl_cov_select(tok, log_prob, float(kl_cov_ratio))
+    abs_log_ratio = torch.where(selected, log_prob - old_log_prob, 0.0).abs()
+    loss_tok = -tok.adv * tok.ratio + float(kl_coef) * abs_log_ratio
+    loss = aggregate(
+        loss_tok,
+        tok.valid,
+        agg,
+        global_tokens=global_tokens,
+        global_seqs=global_seqs,
+        norm_len=norm_len,
+    )
+    ratio_max = float(torch.where(tok.valid, tok.r, 0.0).max()) if tok.r.numel() else 1.0
+    metrics = surrogate_metrics(
+        tok,
+        ratio=tok.r,
+        weight=tok.r,
+        active_pos=tok.pos,
+        active_neg=tok.neg,
+        clipped_low=tok.neg & selected,
+        clipped_high=tok.pos & selected,
+        c_low=0.0,
+        c_high=ratio_max,
+    )
+    return loss, metrics

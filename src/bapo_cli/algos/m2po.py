@@ -1,0 +1,123 @@
+"""M2PO (Zheng et al. 2025, "Prosperity before Collapse", arXiv 2510.01161): instead of trusting
+the ratio clip alone on very stale data, mask the tokens with the largest squared log-ratio until
+the batch's second moment is under a threshold, then train the rest with the clipped surrogate.
+Written after AReaL (`m2_threshold`, `get_m2po_loss_mask`); formulas in docs/algorithms.md.
+
+Per loss call (AReaL: per micro-batch given to the loss), over the valid tokens:
+
+    m2_t = (log pi_theta(y_t) - log pi_old(y_t))^2          (detached)
+    sort m2 descending; mask the first k, with k the smallest number such that the mean of the
+    remaining m2 is < m2_threshold (all but one if no k gets there)
+
+Masked tokens leave the loss and its normaliser (AReaL takes them out of the loss mask), the
+others get the clipped surrogate with (1 - eps_low, 1 + eps_high) and the shared dual clip.
+AReaL measures m2 against its proximal policy (the weights at the start of the training step);
+a loss call here sees the current weights, which within one optimizer update are the same.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from bapo_cli.algos.core import (
+    REGISTRY,
+    Tensor,
+    _check_agg,
+    _check_dual_clip,
+    check_eps,
+    prepare_tokens,
+    surrogate_dropping,
+)
+from bapo_cli.algos.params import ParamError, number, param
+
+
+@dataclass(frozen=True)
+class M2POParams:
+    """M2PO: second-moment masking of the log-ratios, then the clipped surrogate."""
+
+    m2_threshold: float = param(
+        0.04,
+        "mask the largest squared log-ratios until their mean over the rest is below this "
+        "(M2PO paper: 0.04; AReaL has no default, null there = off)",
+    )
+    eps_low: float = param(0.2, "clip range of the kept tokens: c_low = 1 - eps_low (AReaL 0.2)")
+    eps_high: float = param(0.2, "clip range of the kept tokens: c_high = 1 + eps_high (AReaL 0.2)")
+
+    def __post_init__(self) -> None:
+        self.check()
+
+    def check(self) -> None:
+        if not 0.0 < number("m2_threshold", self.m2_threshold) < math.inf:
+            raise ParamError("m2_threshold", self.m2_threshold, "must be a finite number > 0")
+        check_eps(self.eps_low, self.eps_high)
+
+    def describe(self) -> str:
+        return (
+            f"tokens masked until mean (log r)^2 < {self.m2_threshold:g}, then "
+            f"[{1 - self.eps_low:g}, {1 + self.eps_high:g}]"
+        )
+
+
+def m2_mask(log_ratio: Tensor, valid: Tensor, threshold: float) -> Tensor:
+    """Bool, log_ratio's shape: the valid tokens M2PO masks (largest (log r)^2 first)."""
+    with torch.no_grad():
+        m2 = log_ratio.detach().double().square()[valid]  # row-major order of the valid tokens
+        n = m2.numel()
+        masked = torch.zeros_like(valid)
+        if n == 0:
+            return masked
+        m2_sorted, order = torch.sort(m2, descending=True)
+        suffix = m2_sorted.flip(0).cumsum(0).flip(0)  # sum of m2_sorted[i:]
+        means = suffix / torch.arange(n, 0, -1, dtype=suffix.dtype, device=suffix.device)
+        below = (means < threshold).nonzero()
+        k = int(below[0]) if below.numel() else n - 1  # how many of the largest to mask
+        drop = torch.zeros(n, dtype=torch.bool, device=valid.device)
+        drop[order[:k]] = True
+        masked[valid] = drop
+        return masked
+
+
+@REGISTRY.register("m2po", params=M2POParams)
+def m2po_loss(
+    log_prob: Tensor,
+    old_log_prob: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    *,
+    m2_threshold: float = M2POParams.m2_threshold,
+    eps_low: float = M2POParams.eps_low,
+    eps_high: float = M2POParams.eps_high,
+    dual_clip: float | None = 3.0,
+    agg: str = "token-mean",
+    global_tokens: float | Tensor | None = None,
+    global_seqs: float | Tensor | None = None,
+    norm_len: float | None = None,
+) -> tuple[Tensor, dict[str, Any]]:
+    """M2PO (module docstring). clipfrac_low / clipfrac_high count the M2-masked tokens with the
+    ratio-clipped ones (A < 0 / A > 0): the tokens that lost their gradient.
+
+    With gradient accumulation the trainer passes the mini-batch's token count (global_tokens),
+    which still counts the masked tokens; within one call they leave the normaliser, as in
+    AReaL (whose normaliser is its micro-batch's loss mask)."""
+    M2POParams(m2_threshold=m2_threshold, eps_low=eps_low, eps_high=eps_high)
+    c_low, c_high = 1.0 - float(eps_low), 1.0 + float(eps_high)
+    dual_clip = _check_dual_clip(dual_clip, c_low)
+    _check_agg(agg, log_prob.dim())
+    tok = prepare_tokens(log_prob, old_log_prob, advantages, mask)
+    drop = m2_mask(tok.log_ratio, tok.valid, float(m2_threshold))
+    return surrogate_dropping(
+        tok,
+        drop,
+        c_low,
+        c_high,
+        in_denominator=False,
+        dual_clip=dual_clip,
+        agg=agg,
+        global_tokens=global_tokens,
+        global_seqs=global_seqs,
+        norm_len=norm_len,
+    )
