@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-SHARED_DATA = REPO.parent / "shared" / "data"
+# the benchmark files that ship with the package (rows id, problem, answer; SOURCES.md there)
+BENCHMARKS = REPO / "src" / "bapo_cli" / "data" / "benchmarks"
 
 
 @pytest.fixture(autouse=True)

@@ -139,10 +139,10 @@ def test_invalid_sweep_value_fails_before_any_job(_output_root: Path) -> None:
 
 
 def test_eval_composes_and_says_what_would_run(_output_root: Path) -> None:
-    data = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "aime24.jsonl"
-    result = run_bapo("eval", f"benchmark.path={data}", "eval.limit=3", "tracking=none")
+    # the default benchmark (aime24) ships with the package: no network, no file to pass
+    result = run_bapo("eval", "eval.limit=3", "tracking=none", env={"HF_HUB_OFFLINE": "1"})
     assert result.returncode == 0, result.stderr
-    assert "first 3 problems" in result.stdout
+    assert "aime24: shipped:aime24, first 3 problems" in " ".join(result.stdout.split())
     assert len(list((_output_root / "runs").glob("*/*/.hydra/config.yaml"))) == 1
 
 

@@ -1,4 +1,5 @@
-"""The configs are found from any working directory, by an editable and by a wheel install."""
+"""The configs and the shipped benchmarks are found from any working directory, by an editable and
+by a wheel install."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ import pytest
 import yaml
 
 from tests.conftest import REPO, run_bapo
+
+BENCHMARKS = ("aime24", "aime25", "amc23", "math500", "minerva_math", "olympiadbench")
 
 
 def test_editable_install_works_from_another_directory(tmp_path: Path) -> None:
@@ -57,6 +60,11 @@ def test_wheel_install_ships_configs_and_works_from_another_directory(tmp_path: 
         timeout=300,
     )
     assert (target / "bapo_cli" / "conf" / "train.yaml").is_file()
+    shipped = target / "bapo_cli" / "data" / "benchmarks"
+    assert sorted(p.name for p in shipped.iterdir()) == [
+        "SOURCES.md",
+        *(f"{name}.jsonl" for name in BENCHMARKS),
+    ]
     env = {**os.environ, "PYTHONPATH": str(target)}  # the wheel's copy shadows the editable one
     where = subprocess.run(
         [
@@ -73,6 +81,25 @@ def test_wheel_install_ships_configs_and_works_from_another_directory(tmp_path: 
     ).stdout.split()
     assert Path(where[0]).is_relative_to(target)
     assert Path(where[1]) == target / "bapo_cli" / "conf"
+    # a shipped benchmark loads from the installed wheel, by its preset, with no network
+    loaded = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "from bapo_cli.config.preflight import preflight; "
+            "from bapo_cli.data import shipped; "
+            "from bapo_cli.evaluation.evaluate import load_problems; "
+            "problems, skipped = load_problems("
+            "preflight('eval', ['benchmark=olympiadbench']).config.benchmark); "
+            "print(shipped.path_of('shipped:olympiadbench'), len(problems), skipped)",
+        ],
+        cwd=tmp_path,
+        env={**env, "HF_HUB_OFFLINE": "1"},
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split()
+    assert loaded == [str(shipped / "olympiadbench.jsonl"), "675", "0"]
     result = run_bapo(
         "config", "algo=bapo", "staleness=8", cwd=tmp_path, env={"PYTHONPATH": str(target)}
     )

@@ -14,8 +14,6 @@ from bapo_cli.data.datasets import build_prompt_set, filter_long
 from bapo_cli.data.records import DataError
 from bapo_cli.data.tasks import arith_reward
 
-SHARED = Path(__file__).resolve().parents[3] / "shared" / "data"
-
 
 class CharTokenizer:
     """One id per character plus BOS: enough to count prompt tokens."""
@@ -63,9 +61,8 @@ def test_filter_long_counts_what_it_drops() -> None:
         ps.filter_long(CharTokenizer(), 2)
 
 
-@pytest.mark.skipif(not SHARED.is_dir(), reason="shared benchmark files not present")
-def test_dataset_prompt_set_from_a_local_file() -> None:
-    cfg = DataConfig(kind="dataset", path=str(SHARED / "aime24.jsonl"), seed=3)
+def test_dataset_prompt_set_from_a_shipped_benchmark() -> None:
+    cfg = DataConfig(kind="dataset", path="shipped:aime24", seed=3)
     ps = build_prompt_set(cfg)
     assert len(ps) == 30 and ps.skipped == 0
     assert ps.items[0].id.startswith("2024-")

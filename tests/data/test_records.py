@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from bapo_cli.data.records import DataError, load_records
+from tests.conftest import BENCHMARKS
 
-SHARED = Path(__file__).resolve().parents[3] / "shared" / "data"
 FIELDS = {"id": "id", "problem": "problem", "answer": "answer"}
 
 
@@ -23,13 +23,24 @@ def load(path, fields=FIELDS, **kwargs):
     return load_records(path=path, hf_id=None, split="test", fields=fields, **kwargs)
 
 
-@pytest.mark.skipif(not SHARED.is_dir(), reason="shared benchmark files not present")
-@pytest.mark.parametrize(("name", "n"), [("aime24", 30), ("aime25", 30), ("math500", 500)])
-def test_shared_benchmarks_load_whole(name: str, n: int) -> None:
-    records = load(SHARED / f"{name}.jsonl")
+@pytest.mark.parametrize(
+    ("name", "n"),
+    [
+        ("aime24", 30),
+        ("aime25", 30),
+        ("amc23", 40),
+        ("math500", 500),
+        ("minerva_math", 272),
+        ("olympiadbench", 675),
+    ],
+)
+def test_shipped_benchmarks_load_whole(name: str, n: int) -> None:
+    records = load(f"shipped:{name}")
+    assert records.source == f"shipped:{name}"
     assert len(records.rows) == n and records.skipped == 0
     assert len({r["id"] for r in records.rows}) == n
     assert set(records.rows[0]) == {"id", "problem", "answer"}
+    assert records.rows == load(BENCHMARKS / f"{name}.jsonl").rows  # the file in the package
 
 
 def test_field_mapping_and_number_answers(tmp_path: Path) -> None:

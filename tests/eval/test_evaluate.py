@@ -1,4 +1,4 @@
-"""`bapo eval` end to end on the tiny model and the shared AIME 2024 file."""
+"""`bapo eval` end to end on the tiny model and the AIME 2024 file shipped with the package."""
 
 from __future__ import annotations
 
@@ -9,15 +9,14 @@ import pytest
 
 from bapo_cli.config.preflight import PreflightError, preflight
 from bapo_cli.evaluation.evaluate import evaluate
-from tests.conftest import SHARED_DATA, run_bapo
+from tests.conftest import run_bapo
 
 
 def test_eval_on_tiny_model_writes_results_and_samples(tmp_path: Path) -> None:
     cfg = preflight(
         "eval",
         [
-            f"benchmark.path={SHARED_DATA / 'aime24.jsonl'}",
-            "eval.limit=5",
+            "eval.limit=5",  # benchmark=aime24 (the default), its shipped file
             "eval.n=2",
             "tracking=mlflow",
             f"tracking.uri=sqlite:///{tmp_path}/mlflow.db",
@@ -67,11 +66,11 @@ def test_eval_cli_several_benchmarks_one_job_each(_output_root: Path) -> None:
         "eval.limit=2",
         "eval.n=1",
         "tracking=none",
-        f"benchmark.path={SHARED_DATA / 'aime24.jsonl'}",
+        env={"HF_HUB_OFFLINE": "1"},  # each preset reads its shipped file
     )
     assert result.returncode == 0, result.stderr
     found = sorted(_output_root.glob("sweeps/*/*/*/results.json"))
-    assert len(found) == 2
+    assert sorted(next(iter(json.loads(f.read_text()))) for f in found) == ["aime24", "aime25"]
 
 
 def test_eval_bad_inputs_fail_in_one_line(tmp_path: Path) -> None:

@@ -27,7 +27,7 @@ from bapo_cli.config import schema
 from bapo_cli.config.preflight import preflight
 from bapo_cli.tracking import MlflowTracker, redact
 from bapo_cli.trainer.train import run_record
-from tests.conftest import SHARED_DATA, run_bapo
+from tests.conftest import BENCHMARKS, run_bapo
 
 PW = "Pw0rd-s3cr3t"  # appears nowhere else in any output
 TOKEN = "hf_T0ken-s3cr3t"
@@ -266,7 +266,7 @@ def test_failing_eval_masks_the_uri_and_keeps_the_results(_output_root: Path) ->
     """bapo eval scores first and tracks last: a store that is down is one masked line, and the
     scores already written stay in the run dir."""
     uri = f"http://alice:{PW}@127.0.0.1:1/"  # nothing listens on port 1
-    data = SHARED_DATA / "aime24.jsonl"
+    data = BENCHMARKS / "aime24.jsonl"
     result = run_bapo(
         "eval",
         f"benchmark.path={data}",

@@ -9,14 +9,12 @@ math-verify run in one shared worker (module-scoped grader).
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 
 from bapo_cli.rewards import MathGrader, verify_latex
 from bapo_cli.rewards.math_grader import extract_answer, fast_verdict, reference_answer
-
-DATA = Path(__file__).resolve().parents[3] / "shared" / "data"
+from tests.conftest import BENCHMARKS
 
 T, F = True, False
 CASES: list[tuple[str, str, str, bool]] = [
@@ -132,9 +130,7 @@ def test_grade_many_rejects_mismatched_lengths(grader: MathGrader) -> None:
 
 def test_references_need_latex_context() -> None:
     """Every MATH-500 reference (every 5th, for time) parses and equals itself in math-verify."""
-    if not (DATA / "math500.jsonl").is_file():
-        pytest.skip(f"no benchmark data at {DATA}")
-    rows = [json.loads(line) for line in (DATA / "math500.jsonl").read_text().splitlines()]
+    rows = [json.loads(line) for line in (BENCHMARKS / "math500.jsonl").read_text().splitlines()]
     refs = [r["answer"] for r in rows[::5]]
     failed = [ref for ref in refs if not verify_latex(ref, ref)]
     assert failed == []

@@ -140,7 +140,7 @@ def test_resume_from_a_checkpoint_ends_like_an_uninterrupted_run(tmp_path) -> No
 
 
 def test_validation_during_training_logs_val_metrics(tmp_path) -> None:
-    from tests.conftest import SHARED_DATA
+    from tests.conftest import BENCHMARKS
 
     result = run_train(
         tmp_path,
@@ -148,7 +148,7 @@ def test_validation_during_training_logs_val_metrics(tmp_path) -> None:
         "trainer.val_every=2",
         "trainer.val_n=2",
         "trainer.val_limit=3",
-        f"trainer.val_benchmarks=[arith,{SHARED_DATA / 'aime24.jsonl'}]",
+        f"trainer.val_benchmarks=[arith,{BENCHMARKS / 'aime24.jsonl'}]",
     )
     last = result.history[-1]
     assert 0.0 <= last["val/arith/avg_at_2"] <= last["val/arith/pass_at_2"] <= 1.0

@@ -10,7 +10,7 @@ import pytest
 
 from bapo_cli.config.preflight import preflight
 from bapo_cli.evaluation.evaluate import evaluate
-from tests.conftest import SHARED_DATA
+from tests.conftest import BENCHMARKS
 from tests.train.conftest import run_train
 
 REWARDS = textwrap.dedent(
@@ -63,7 +63,7 @@ def test_eval_grades_with_the_configured_function(tmp_path: Path, reward_file: P
     cfg = preflight(
         "eval",
         [
-            f"benchmark.path={SHARED_DATA / 'aime24.jsonl'}",
+            f"benchmark.path={BENCHMARKS / 'aime24.jsonl'}",
             "eval.limit=2",
             "eval.n=2",
             "eval.max_tokens=8",

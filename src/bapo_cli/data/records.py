@@ -16,6 +16,9 @@ line naming the source and the fields looked for.
 The canonical field `id` is optional: when it is not configured, or a row lacks it, the row's
 index in the source (0-based) is its id.
 
+A path `shipped:<name>` (e.g. `shipped:aime24`) reads a benchmark that ships with the package
+(`shipped`): the presets in conf/benchmark use them, so evaluation works offline.
+
 `format` picks how a row is read (`formats`): plain fields as above, or a chat prompt -- verl's
 parquet rows or OpenAI-style `messages` -- whose row gets `messages` (a tuple of {role, content})
 next to `problem` (its last user message) and `answer`. `auto` looks at the first row.
@@ -33,7 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bapo_cli.data import formats
+from bapo_cli.data import formats, shipped
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +87,7 @@ def load_records(
     unit = "row"
     if path is not None and str(path):
         source = str(path)
-        file = Path(path).expanduser()
+        file = _local_file(path)
         raw = _read_file(file, split)
         unit = "line" if file.suffix.lower() == ".jsonl" else "row"
     elif hf_id:
@@ -114,6 +117,16 @@ class _Line:
 
     number: int
     row: Any
+
+
+def _local_file(path: str | Path) -> Path:
+    """The file a data path names: `shipped:<name>` is a benchmark shipped with the package."""
+    if shipped.is_shipped(path):
+        try:
+            return shipped.path_of(path)
+        except KeyError as err:
+            raise DataError(err.args[0]) from None
+    return Path(path).expanduser()
 
 
 def _read_file(path: Path, split: str) -> list[Any]:
