@@ -390,7 +390,10 @@ class BenchmarkConfig:
     hf_id: str | None = opt(None, "HF dataset id for users with a network")
     hf_config: str | None = opt(None, "HF dataset config name, if the dataset has several")
     split: str = opt("test", "dataset split")
-    path: str | None = opt(None, "local jsonl/parquet; wins over hf_id")
+    path: str | None = opt(
+        None,
+        "local jsonl/parquet, or shipped:<name> (a file shipped with the package); wins over hf_id",
+    )
     id_field: str = opt("id", "field holding the problem id")
     problem_field: str = opt("problem", "field holding the question")
     answer_field: str = opt("answer", "field holding the reference answer")
@@ -570,7 +573,8 @@ class TrainerConfig:
     val_benchmarks: list[str] = opt(
         [],
         "validation sets (val_every > 0): arith or pairs (held-out synthetic), a benchmark preset "
-        "(aime24, aime25, math500) or a local .jsonl/.json/.parquet",
+        "(aime24, aime25, math500, amc23, minerva_math, olympiadbench) or a local "
+        ".jsonl/.json/.parquet",
     )
     val_n: int = opt(4, "samples per validation problem (logged as val/<set>/avg_at_<n>)")
     val_limit: int | None = opt(None, "first N problems of each validation set; null = all")
@@ -730,7 +734,9 @@ class EvalRunConfig:
     """Everything `bapo eval` needs; composed from conf/eval.yaml."""
 
     model: ModelConfig = opt(MISSING, "the model to score")
-    benchmark: BenchmarkConfig = opt(MISSING, "benchmark=aime24|aime25|math500")
+    benchmark: BenchmarkConfig = opt(
+        MISSING, "benchmark=aime24|aime25|math500|amc23|minerva_math|olympiadbench"
+    )
     rollout: RolloutConfig = opt(MISSING, "generation engine (sampling comes from eval.*)")
     reward: RewardConfig = opt(MISSING, "answer grading: time limit per answer, workers")
     tracking: TrackingConfig = opt(MISSING, "MLflow tracking")

@@ -292,7 +292,8 @@ def validation_sets(
 
     An entry is `arith` or `pairs` (that synthetic task's held-out split, graded by its reward;
     prompts in data.template when training on that task, else in the task's own template), a
-    benchmark preset name (aime24, aime25, math500: loaded by HF id) or a local
+    benchmark preset name (aime24, aime25, math500, amc23, minerva_math, olympiadbench: its file
+    shipped with the package, or its HF id where the preset's path is cleared) or a local
     .jsonl/.json/.parquet file with fields id, problem, answer (named by its file stem), graded by
     `grader` (default: the shared math grader)."""
     from bapo_cli.config.schema import BenchmarkConfig
