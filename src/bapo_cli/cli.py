@@ -8,10 +8,12 @@ run dir and calls the job (bapo_cli.launch.jobs).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import typer
@@ -109,7 +111,15 @@ def _claim_output_dir(checked, multirun: bool) -> None:
     from bapo_cli.launch import rundir
 
     key = "hydra.sweep.dir" if multirun else "hydra.run.dir"
-    if any(o.lstrip("+").startswith(f"{key}=") for o in checked.overrides):
+    named = [o for o in checked.overrides if o.lstrip("+").startswith(f"{key}=")]
+    if named:
+        path = named[-1].partition("=")[2].strip("'\"")
+        trainer = getattr(checked.config, "trainer", None)
+        if trainer is not None and int(os.environ.get("RANK", "0")) == 0 and "${" not in path:
+            line = rundir.reuse_error(key, Path(path), trainer.resume)  # bapo train only
+            if line is not None:
+                raise _fail(line)
+            rundir.create_private(Path(path))
         return
     root = Path(checked.config.paths.output_root)
     claimed = rundir.claim_timestamped(root, "sweeps" if multirun else "runs")
@@ -255,7 +265,8 @@ def runs(
 
     if uri is None:
         uri = _preflight("train", []).config.tracking.uri
-    rows = tracking.list_runs(uri, experiment, limit)
+    with _store_errors(uri):
+        rows = tracking.list_runs(uri, experiment, limit)  # fail-fast HTTP (tracking.store)
     if not rows:
         Console().print(f"no runs yet in {redact.text(uri)}")
         return
@@ -267,6 +278,20 @@ def runs(
         shown = ["" if v is None else f"{v:.3f}" for v in values]
         table.add_row(row.run_id[:12], row.experiment, row.name, row.status, row.start, *shown)
     Console().print(table)
+
+
+@contextlib.contextmanager
+def _store_errors(uri: str) -> Iterator[None]:
+    """A store that is down or refuses (MLflow's errors): one masked `error:` line, exit 1."""
+    from mlflow.exceptions import MlflowException
+
+    from bapo_cli import tracking
+
+    try:
+        yield
+    except MlflowException as exc:
+        _fail(f"tracking: cannot read runs from {uri} ({tracking.describe_failure(exc)})")
+        raise typer.Exit(1) from None
 
 
 RUN_COLUMNS = ("reward/mean", "actor/entropy", "actor/c_low", "actor/c_high", "staleness/mean")
@@ -309,12 +334,14 @@ def report(
                 if sweep is not None
                 else _preflight("train", []).config.tracking.uri
             )
-        runs = rep.load_runs(uri, sweep_dir=sweep, experiment=experiment, run_ids=run_ids)
+        with _store_errors(uri):
+            runs = rep.load_runs(uri, sweep_dir=sweep, experiment=experiment, run_ids=run_ids)
         if out is None:
             root = Path(_preflight("train", []).config.paths.output_root)
             stamp = time.strftime("%Y-%m-%d/%H-%M-%S")
             out = sweep / "report" if sweep is not None else root / "reports" / stamp
-        result = rep.write_report(runs, out, uri, facet, baseline)
+        with _store_errors(uri):
+            result = rep.write_report(runs, out, uri, facet, baseline)
     except rep.ReportError as exc:
         raise _fail(str(exc)) from None
     Console().print(f"{len(result.runs)} runs compared")
@@ -329,28 +356,15 @@ def ui(
     uri: str | None = typer.Option(None, help="Tracking URI (default: the train config's)."),
     port: int = typer.Option(5000, help="Port on 127.0.0.1."),
 ) -> None:
-    """Open the MLflow UI on the tracking store (runs `mlflow ui`)."""
-    import subprocess
+    """Open the MLflow UI on the tracking store (runs `mlflow ui`; SIGTERM and Ctrl-C stop all
+    of it, its output is relayed masked: bapo_cli.tracking.server.run_ui)."""
+    from bapo_cli.tracking import redact, server
 
     if uri is None:
         uri = _preflight("train", []).config.tracking.uri
-    command = [
-        sys.executable,
-        "-m",
-        "mlflow",
-        "ui",
-        "--backend-store-uri",
-        uri,
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-    ]
-    from bapo_cli.tracking import redact
-
     shown = redact.text(uri)
     Console().print(f"MLflow UI on http://127.0.0.1:{port} for {shown}  (Ctrl-C stops it)")
-    raise typer.Exit(subprocess.call(command))
+    raise typer.Exit(server.run_ui(uri, port))
 
 
 def _version(value: bool) -> None:

@@ -101,3 +101,51 @@ def test_runs_and_sweeps_started_in_the_same_second_get_distinct_dirs(
     assert all(p.parent.parent == _output_root / "sweeps" for p in sweeps)
     assert {p.name.split("-")[:3] == runs[0].name.split("-")[:3] for p in runs} == {True}
     assert resumed == explicit  # an explicit run dir (resume) is used as given
+
+
+# ------------------------------------------------------------ a run dir that holds a run (issue 22)
+
+
+def test_a_dir_that_holds_a_run_is_refused_without_resume(tmp_path: Path) -> None:
+    """A second run there would overwrite the first one's checkpoints and `.hydra/` and append
+    its samples to the first one's samples.jsonl."""
+    from typer.testing import CliRunner
+
+    from bapo_cli.cli import app
+
+    used = tmp_path / "used"
+    (used / ".hydra").mkdir(parents=True)
+    (used / "samples.jsonl").write_text('{"step": 1}\n')
+    result = CliRunner().invoke(app, ["train", "tracking=none", f"hydra.run.dir={used}"])
+    assert result.exit_code == 2, result.output
+    assert " ".join(result.output.split()) == (
+        f"error: hydra.run.dir={used} already holds a run (.hydra, samples.jsonl); add "
+        "trainer.resume=true to continue it, or choose a new hydra.run.dir (or drop it: each "
+        "run gets a fresh dir)"
+    )
+    assert (used / "samples.jsonl").read_text() == '{"step": 1}\n'
+    sweep = tmp_path / "sweep"
+    (sweep / "0" / ".hydra").mkdir(parents=True)
+    result = CliRunner().invoke(
+        app, ["train", "-m", "tracking=none", "algo.rho0=0.3,0.4", f"hydra.sweep.dir={sweep}"]
+    )
+    assert result.exit_code == 2, result.output
+    assert f"hydra.sweep.dir={sweep} already holds a run (0/.hydra)" in " ".join(
+        result.output.split()
+    )
+
+
+def test_reuse_rules() -> None:
+    here = Path(__file__).parent / "no-such-dir"
+    assert rundir.reuse_error("hydra.run.dir", here, resume=False) is None  # a new dir
+    assert rundir.RUN_MARKERS == (".hydra", "checkpoints", "samples.jsonl", "multirun.yaml")
+
+
+def test_resume_and_empty_dirs_pass(tmp_path: Path) -> None:
+    used = tmp_path / "used"
+    (used / "checkpoints").mkdir(parents=True)
+    assert rundir.reuse_error("hydra.run.dir", used, resume=True) is None
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert rundir.reuse_error("hydra.run.dir", empty, resume=False) is None
+    assert "checkpoints" in rundir.reuse_error("hydra.run.dir", used, resume=False)

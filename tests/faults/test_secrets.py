@@ -108,7 +108,7 @@ def test_sweep_of_uris_masks_both() -> None:
         ("client_secret", True),
         ("key", True),
         ("aws/credentials", True),
-        ("hydra.job.env_set.MLFLOW_TRACKING_USERNAME", False),
+        ("hydra.job.env_set.MLFLOW_TRACKING_USERNAME", True),  # every env_set value
         ("rollout.max_tokens", False),
         ("algo.low_range", False),
         ("keyboard", False),

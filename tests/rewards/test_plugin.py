@@ -5,13 +5,19 @@ from __future__ import annotations
 
 import logging
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
+from typer.testing import CliRunner
 
+from bapo_cli.cli import app
 from bapo_cli.config.preflight import PreflightError, preflight
 from bapo_cli.rewards import StepGrader
+from bapo_cli.rewards import plugin as plugin_module
 from bapo_cli.rewards.plugin import PythonReward, RewardPluginError, check_spec, score
+
+runner = CliRunner()
 
 REWARDS = textwrap.dedent(
     """
@@ -158,3 +164,95 @@ def test_the_default_function_matches_boxed_answers_by_string() -> None:
     with PythonReward("bapo_cli.rewards.examples:boxed_exact", timeout_s=5) as plugin:
         report = plugin.grade_batch([r"\boxed{033}", r"\boxed{\frac12}", "33"], ["33"] * 3)
     assert report.scores == [1.0, 0.0, 0.0]
+
+
+# ------------------------------------------------------- hostile modules and values (issue 22)
+
+HOSTILE = {
+    "hangs_at_import.py": "import time\ntime.sleep(3600)\ndef f(a, b, c):\n    return 1.0\n",
+    "exits_at_import.py": "import sys\nsys.exit(0)\ndef f(a, b, c):\n    return 1.0\n",
+    "dies_at_import.py": (
+        "import os, sys\n"
+        "print('cannot reach https://bob:hunter2@grader.example/x', file=sys.stderr)\n"
+        "os._exit(7)\n"
+        "def f(a, b, c):\n    return 1.0\n"
+    ),
+    "huge.py": (
+        "def huge(a, b, c):\n    return 1e308\n"
+        "def inf(a, b, c):\n    return float('-inf')\n"
+        "def hog(a, b, c):\n    block = bytearray(1 << 30)\n    return float(len(block) > 0)\n"
+    ),
+}
+
+
+@pytest.fixture(scope="module")
+def hostile(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("hostile")
+    for name, text in HOSTILE.items():
+        (root / name).write_text(text)
+    return root
+
+
+def test_a_module_that_hangs_at_import_is_refused_within_the_limit(hostile: Path) -> None:
+    t0 = time.monotonic()
+    with pytest.raises(RewardPluginError) as err:
+        check_spec(f"{hostile}/hangs_at_import.py:f", timeout_s=2)
+    assert time.monotonic() - t0 < 15
+    assert str(err.value) == (
+        "importing it did not finish within 2 s (a hang at import?); the preflight import "
+        "limit is 2 s"
+    )
+
+
+def test_preflight_times_the_import_out(hostile: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(plugin_module, "IMPORT_TIMEOUT_S", 2.0)
+    spec = f"{hostile}/hangs_at_import.py:f"
+    with pytest.raises(PreflightError, match=r"did not finish within 2 s"):
+        preflight("train", ["reward=python", f"reward.fn={spec}"])
+
+
+def test_sys_exit_or_a_crash_at_import_is_one_error_line_and_exit_2(hostile: Path) -> None:
+    """`sys.exit(0)` at import used to end `bapo config`/`train` with exit 0 and no output."""
+    exits = runner.invoke(
+        app, ["config", "reward=python", f"reward.fn={hostile}/exits_at_import.py:f"]
+    )
+    assert exits.exit_code == 2, exits.output
+    assert "error: reward.fn=" in exits.output
+    assert "exits_at_import.py fails on import (SystemExit: 0)" in " ".join(exits.output.split())
+    dies = runner.invoke(
+        app, ["config", "reward=python", f"reward.fn={hostile}/dies_at_import.py:f"]
+    )
+    assert dies.exit_code == 2, dies.output
+    shown = " ".join(dies.output.split())
+    assert "ended with exit code 7 before it could be checked" in shown
+    assert "https://bob:***@grader.example/x" in shown and "hunter2" not in shown
+
+
+def test_out_of_range_and_non_finite_rewards_are_errors_with_a_warning(
+    hostile: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """1e308 is finite, but two of them make the step's reward/mean inf: refused, counted."""
+    with (
+        caplog.at_level(logging.WARNING, logger="bapo_cli.rewards.plugin"),
+        PythonReward(f"{hostile}/huge.py:huge", timeout_s=5) as plugin,
+    ):
+        report = plugin.grade_batch(["a", "b"], ["r", "r"], [{}, {}])
+    assert report.scores == [0.0, 0.0] and report.errors == 2
+    assert "returned 1e+308; must return a finite float or a bool, within [-1e+06, 1e+06]" in (
+        caplog.text
+    )
+    with PythonReward(f"{hostile}/huge.py:inf", timeout_s=5) as plugin:
+        assert plugin.grade_batch(["a"], ["r"], [{}]).errors == 1
+    assert score(plugin_module.MAX_ABS_REWARD) == 1e6
+    with pytest.raises(ValueError, match=r"within \[-1e\+06, 1e\+06\]"):
+        score(-1e6 - 1)
+
+
+def test_workers_have_a_memory_cap(hostile: Path) -> None:
+    """A function that allocates 1 GiB under a 512 MiB cap fails with MemoryError (an error,
+    scored 0) instead of taking the machine's memory; the default cap is the math workers'."""
+    with PythonReward(f"{hostile}/huge.py:hog", timeout_s=10, memory_limit_mb=512) as plugin:
+        report = plugin.grade_batch(["a"], ["r"], [{}])
+    assert (report.scores, report.errors) == ([0.0], 1)
+    assert plugin_module.MEMORY_LIMIT_MB == 4096
+    assert "--memory-mb" in PythonReward("x.py:f").pool[0].args

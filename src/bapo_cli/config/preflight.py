@@ -5,9 +5,11 @@ every job the basic sweeper would launch, so `bapo train -m algo.rho0=0.3,1.5` f
 starts, not halfway through a sweep. A `group=glob(...)` sweep is first turned into the explicit
 list of the group's options it matches (`expand_globs`), which is what Hydra is then handed.
 
-A training config must also fit the machine (`step_memory_error`): a step's samples, every
-response at `rollout.max_tokens`, need at least `STEP_BYTES_PER_TOKEN` bytes of host memory per
-token for their per-token records; a step that needs more than this machine has is refused.
+A training step's work is bounded (`step_work_error`: sequences and response tokens per step,
+whatever the machine), and a training config must also fit the machine (`step_memory_error`):
+a step's samples, every response at `rollout.max_tokens`, need at least `STEP_BYTES_PER_TOKEN`
+bytes of host memory per token for their per-token records; a step that needs more than this
+machine has is refused.
 """
 
 from __future__ import annotations
@@ -210,6 +212,34 @@ def step_memory_error(cfg: Any, memory_bytes: int | None) -> str | None:
     )
 
 
+# The most work one training step may ask for, whatever the machine. The largest published
+# recipes are well inside: DAPO (512 prompts × 16 × 20,480 tokens) is 8,192 sequences and 168M
+# tokens a step. Past these a typo (`rollout.n=100000`: 3.2M sequences a step) would load the
+# model and generate for hours or days before its first update; it is refused in one line.
+MAX_STEP_SEQUENCES = 65_536
+MAX_STEP_TOKENS = 2**30
+
+
+def step_work_error(cfg: Any) -> str | None:
+    """One line when a step's sequences (prompts × n) or response tokens (× max_tokens) exceed
+    `MAX_STEP_SEQUENCES` / `MAX_STEP_TOKENS`, else None."""
+    prompts, n, tokens = cfg.trainer.prompts_per_step, cfg.rollout.n, cfg.rollout.max_tokens
+    seqs = prompts * n
+    product = f"trainer.prompts_per_step={prompts} × rollout.n={n}"
+    if seqs > MAX_STEP_SEQUENCES:
+        return (
+            f"{product} = {seqs:,} sequences per step; the limit is {MAX_STEP_SEQUENCES:,} "
+            "(8x the largest published recipe's); lower one of them"
+        )
+    if seqs * tokens > MAX_STEP_TOKENS:
+        return (
+            f"{product} × rollout.max_tokens={tokens} = {seqs * tokens:,} response tokens per "
+            f"step; the limit is {MAX_STEP_TOKENS:,} (6x the largest published recipe's); lower "
+            "one of them"
+        )
+    return None
+
+
 def _gib(n: int) -> str:
     return f"{n / 2**30:,.1f} GiB"
 
@@ -227,8 +257,11 @@ def _compose_checked(config_name: str, overrides: list[str]) -> Any:
         config = to_validated(cfg)
     except ConfigError as exc:
         raise PreflightError(exc.line()) from exc
+    from bapo_cli.tracking import redact
+
+    redact.remember_tree(dataclasses.asdict(config))  # resolved values: ${oc.env:...} URIs
     if isinstance(config, schema.TrainConfig):
-        line = step_memory_error(config, machine_memory_bytes())
+        line = step_work_error(config) or step_memory_error(config, machine_memory_bytes())
         if line is not None:
             raise PreflightError(line)
     reward = getattr(config, "reward", None)
@@ -249,6 +282,9 @@ def check_reward_fn(spec: str) -> None:
 
 def preflight(config_name: str, overrides: list[str], *, multirun: bool = False) -> Preflight:
     """Normalise, check and compose; raise PreflightError (one readable line) if anything is off."""
+    from bapo_cli.tracking import redact
+
+    redact.remember_overrides(list(overrides))  # masked as literals in every line shown from now
     overrides = hydra_runner.normalize_overrides(list(overrides))
     check_group_choices(overrides)
     if not multirun:

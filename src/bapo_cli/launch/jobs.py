@@ -21,12 +21,32 @@ from bapo_cli.tracking import redact
 
 
 def _validated(cfg: DictConfig):
+    import dataclasses
+
     redact.mask_log_records()  # also in a launcher's worker process (joblib, SLURM)
+    _keep_private()
     try:
-        return to_validated(cfg)
+        config = to_validated(cfg)
     except ConfigError as err:
         print(f"error: {redact.text(err.line())}", file=sys.stderr)
         sys.exit(USAGE_EXIT_CODE)
+    redact.remember_tree(dataclasses.asdict(config))  # a worker process never ran preflight
+    return config
+
+
+def _keep_private() -> None:
+    """This job's dir and Hydra's records of its config and overrides (secrets as typed) are
+    its owner's only: 0700 and 0600 (bapo_cli.launch.rundir)."""
+    from hydra.types import RunMode
+
+    from bapo_cli.launch import rundir
+
+    hydra_cfg = HydraConfig.get()
+    run_dir = Path(hydra_cfg.runtime.output_dir)
+    files = list((run_dir / ".hydra").glob("*.yaml"))
+    if hydra_cfg.mode == RunMode.MULTIRUN:
+        files.append(Path(hydra_cfg.sweep.dir) / "multirun.yaml")
+    rundir.make_private([run_dir, *files])
 
 
 def _share_cores() -> None:

@@ -50,7 +50,9 @@ def _table(title: str, rows: list[tuple[str, str]]) -> Table:
     table.add_column(style="bold cyan")
     table.add_column()
     for key, value in rows:
-        table.add_row(key, value)
+        # every value masked, not only tracking's: free-form fields (model.name,
+        # tracking.experiment, a data path) may hold a credentialed URL
+        table.add_row(key, redact.text(value))
     return table
 
 

@@ -47,7 +47,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-__all__ = ["Outcome", "TimeLimitedWorker", "WorkerStartError", "limit_memory", "serve"]
+__all__ = [
+    "Outcome",
+    "TimeLimitedWorker",
+    "WorkerStartError",
+    "child_env",
+    "limit_memory",
+    "serve",
+]
 
 # The directory that holds the ``bapo_cli`` package: put on the child's PYTHONPATH so that
 # ``python -m bapo_cli...`` works from a source checkout that is not installed.
@@ -69,6 +76,16 @@ class Outcome:
     status: Literal["ok", "timeout", "crashed", "error"]
     value: Any = None
     seconds: float = 0.0
+
+
+def child_env() -> dict[str, str]:
+    """This process's environment, with the ``bapo_cli`` package importable by a child
+    ``python -m bapo_cli...`` (a source checkout that is not installed)."""
+    env = dict(os.environ)
+    if Path(_PACKAGE_ROOT).name not in ("site-packages", "dist-packages"):
+        # a source checkout (src/ layout); never put site-packages ahead of the stdlib
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (_PACKAGE_ROOT, env.get("PYTHONPATH")) if p)
+    return env
 
 
 def _kill(proc: subprocess.Popen) -> None:
@@ -144,12 +161,7 @@ class TimeLimitedWorker:
 
     def _spawn(self) -> None:
         """Start a child without waiting for it (`_await_ready` waits)."""
-        env = dict(os.environ)
-        if Path(_PACKAGE_ROOT).name not in ("site-packages", "dist-packages"):
-            # a source checkout (src/ layout); never put site-packages ahead of the stdlib
-            env["PYTHONPATH"] = os.pathsep.join(
-                p for p in (_PACKAGE_ROOT, env.get("PYTHONPATH")) if p
-            )
+        env = child_env()
         proc = subprocess.Popen(
             [sys.executable, "-m", self.module, *self.args],
             stdin=subprocess.PIPE,

@@ -10,15 +10,21 @@ stopped, so it runs like math-verify does (`guard.TimeLimitedWorker`): ``reward.
 processes, each importing the function once, ``reward.timeout_s`` per call, the step's
 ``reward.step_budget_s`` over a batch. What a call can end in, and what it scores:
 
-    a float / bool     that value (bool as 1.0 / 0.0)
+    a float / bool     that value (bool as 1.0 / 0.0), if finite and within ±`MAX_ABS_REWARD`
     an exception       0.0, counted in ``reward/errors``; the first message is logged once
-    another value      0.0, counted in ``reward/errors`` (NaN, None, a string: not a reward)
+    another value      0.0, counted in ``reward/errors`` (NaN, inf, 1e308, None, a string: not a
+                       reward; one such value would make the step's reward/mean inf or NaN)
     the process died   0.0, counted in ``reward/errors`` (sys.exit, a segfault); restarted
     past timeout_s     0.0, counted in ``reward/timeouts``; the process is killed and restarted
     past the budget    0.0 unread, counted in ``reward/over_budget``
 
-`check_spec` (run by preflight, before any model loads) imports the function in this process and
-checks that it takes three arguments, so a typo fails in one line rather than in the first step.
+`check_spec` (run by preflight, before any model loads) imports the function in a child process
+of its own, under `IMPORT_TIMEOUT_S`, and checks that it takes three arguments, so a typo fails in
+one line rather than in the first step, and a module that hangs, calls ``sys.exit`` or crashes
+the interpreter at import is one line too, never a hung or silently ended `bapo train`. The
+worker processes run under the same address-space cap as the math-verify workers
+(``memory_limit_mb``, RLIMIT_AS): a leaking function fails its calls with MemoryError (counted in
+``reward/errors``) instead of swapping the machine.
 """
 
 from __future__ import annotations
@@ -45,6 +51,15 @@ log = logging.getLogger(__name__)
 
 WORKER_MODULE = "bapo_cli.rewards.plugin_worker"
 ALLOWED = "module:function or path/to/file.py:function"
+# A reward's accepted range: finite and |r| <= this. Rewards are added up over a batch and
+# normalised into advantages: a few 1e308 overflow the step's mean to inf (the metric is then
+# dropped by MLflow and nothing is learned); 1e6 leaves every sum and square far from overflow.
+MAX_ABS_REWARD = 1e6
+# How long the preflight import of reward.fn may take (a module that imports torch and loads a
+# small model takes seconds; one that waits on a network or a lock forever is refused)
+IMPORT_TIMEOUT_S = 60.0
+# Address-space cap of each reward=python worker, as for the math-verify workers (MathGrader)
+MEMORY_LIMIT_MB = 4096
 
 
 class RewardPluginError(ValueError):
@@ -76,7 +91,7 @@ def load_fn(spec: str) -> Callable[..., Any]:
         sys.modules[module_name] = module
         try:
             module_spec.loader.exec_module(module)
-        except Exception as err:
+        except (Exception, SystemExit) as err:  # sys.exit() at import must not end the caller
             del sys.modules[module_name]
             raise RewardPluginError(f"{path} fails on import ({_describe(err)})") from None
     else:
@@ -93,7 +108,7 @@ def load_fn(spec: str) -> Callable[..., Any]:
             raise RewardPluginError(
                 f"module {target!r} fails on import ({_describe(err)})"
             ) from None
-        except Exception as err:
+        except (Exception, SystemExit) as err:  # sys.exit() at import must not end the caller
             raise RewardPluginError(
                 f"module {target!r} fails on import ({_describe(err)})"
             ) from None
@@ -105,8 +120,65 @@ def load_fn(spec: str) -> Callable[..., Any]:
     return fn
 
 
-def check_spec(spec: str) -> None:
-    """Import the function and check it can be called as fn(response, reference, record)."""
+def check_spec(spec: str, timeout_s: float | None = None) -> None:
+    """Import the function in a child process (at most ``timeout_s``, default
+    `IMPORT_TIMEOUT_S`) and check it can be called as fn(response, reference, record).
+    Raises RewardPluginError: one line, whether the import raised, hung, exited or crashed."""
+    import subprocess
+
+    from bapo_cli.rewards.guard import child_env
+    from bapo_cli.tracking import redact
+
+    limit = IMPORT_TIMEOUT_S if timeout_s is None else float(timeout_s)
+    command = [sys.executable, "-m", WORKER_MODULE, "--check", spec]
+    proc = subprocess.Popen(
+        command,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        stdin=subprocess.DEVNULL,
+        env=child_env(),
+        text=True,
+        errors="replace",
+        start_new_session=True,  # killed as a group: a module may start processes of its own
+    )
+    try:
+        out, err = proc.communicate(timeout=limit)
+    except subprocess.TimeoutExpired:
+        _kill_group(proc)
+        raise RewardPluginError(
+            f"importing it did not finish within {limit:g} s (a hang at import?); the "
+            f"preflight import limit is {limit:g} s"
+        ) from None
+    for line in reversed(out.strip().splitlines()):
+        try:
+            reply = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(reply, dict) and "check" in reply:
+            if reply["check"] != "ok":
+                raise RewardPluginError(str(reply["check"]))
+            return
+    last = [x for x in err.strip().splitlines() if x.strip()][-1:]  # relayed masked
+    said = f": {redact.text(last[0].strip())[:200]}" if last else ""
+    raise RewardPluginError(
+        f"the process importing it ended with exit code {proc.returncode} before it could be "
+        f"checked (os._exit or a crash at import){said}"
+    )
+
+
+def _kill_group(proc: Any) -> None:
+    import os
+    import signal
+
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        proc.kill()
+    proc.wait()
+
+
+def check_in_process(spec: str) -> None:
+    """`check_spec`'s work, in this process (the child it starts runs this)."""
     fn = load_fn(spec)
     try:
         signature = inspect.signature(fn)
@@ -127,7 +199,7 @@ def score(value: Any) -> float:
         return 1.0 if value else 0.0
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         out = float(value)
-        if math.isfinite(out):
+        if math.isfinite(out) and abs(out) <= MAX_ABS_REWARD:
             return out
     # numpy scalars and 0-d tensors have .item()
     item = getattr(value, "item", None)
@@ -138,7 +210,10 @@ def score(value: Any) -> float:
             pass
     shown = repr(value)
     shown = shown if len(shown) <= 40 else shown[:37] + "..."
-    raise ValueError(f"returned {shown}; must return a finite float or a bool")
+    raise ValueError(
+        f"returned {shown}; must return a finite float or a bool, within "
+        f"[-{MAX_ABS_REWARD:g}, {MAX_ABS_REWARD:g}]"
+    )
 
 
 def json_safe(record: Mapping[str, Any]) -> dict[str, Any]:
@@ -171,6 +246,7 @@ class PythonReward:
         timeout_s: float = 5.0,
         workers: int = 1,
         startup_timeout_s: float = 120.0,
+        memory_limit_mb: int | None = MEMORY_LIMIT_MB,
     ) -> None:
         if not timeout_s > 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s!r}")
@@ -178,8 +254,11 @@ class PythonReward:
             raise ValueError(f"workers must be an integer >= 1, got {workers!r}")
         self.spec = resolve_spec(spec)
         self.timeout_s = float(timeout_s)
+        cap = () if memory_limit_mb is None else ("--memory-mb", str(int(memory_limit_mb)))
         self.pool = [
-            TimeLimitedWorker(WORKER_MODULE, args=(self.spec,), startup_timeout_s=startup_timeout_s)
+            TimeLimitedWorker(
+                WORKER_MODULE, args=(*cap, self.spec), startup_timeout_s=startup_timeout_s
+            )
             for _ in range(workers)
         ]
         self.stats = dict.fromkeys(("ok", "error", "timeout", "over_budget"), 0)
@@ -256,7 +335,10 @@ class PythonReward:
         reply = outcome.value if isinstance(outcome.value, dict) else {}
         if "error" in reply:
             return self._error(str(reply["error"]))
-        return self._count("ok", float(reply.get("score", 0.0)))
+        try:  # checked here too: whatever came over the pipe is held to the same range
+            return self._count("ok", score(reply.get("score")))
+        except ValueError as err:
+            return self._error(str(err))
 
     def _error(self, message: str) -> tuple[str, float]:
         from bapo_cli.tracking import redact

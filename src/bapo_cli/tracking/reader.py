@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from bapo_cli.tracking.store import store_exists
+from bapo_cli.tracking.store import client as store_client
+from bapo_cli.tracking.store import experiment_name, store_exists
 
 
 @dataclass(frozen=True)
@@ -22,14 +23,12 @@ def list_runs(uri: str, experiment: str | None = None, limit: int = 50) -> list[
     """Newest runs first, across experiments unless one is named."""
     from datetime import datetime
 
-    from mlflow.tracking import MlflowClient
-
     if not store_exists(uri):
         return []
-    client = MlflowClient(tracking_uri=uri)
+    client = store_client(uri)  # fail-fast HTTP: a server that is down fails in seconds
     experiments = client.search_experiments()
     if experiment is not None:
-        experiments = [e for e in experiments if e.name == experiment]
+        experiments = [e for e in experiments if e.name == experiment_name(experiment)]
     names = {e.experiment_id: e.name for e in experiments}
     if not names:
         return []

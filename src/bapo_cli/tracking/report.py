@@ -125,11 +125,11 @@ def load_runs(
     run_ids: list[str] | None = None,
 ) -> list[RunData]:
     """Runs of a sweep dir, an experiment or a list of ids, with their metric histories."""
-    from mlflow.tracking import MlflowClient
+    from bapo_cli.tracking import store
 
     if not tracking.store_exists(uri):
         raise ReportError(f"no MLflow store at {uri}")
-    client = MlflowClient(tracking_uri=uri)
+    client = store.client(uri)  # fail-fast HTTP: a server that is down fails in seconds
     if sweep_dir is not None:
         where = str(sweep_dir.resolve())
         runs = _search(client, f"tags.`{tracking.SWEEP_DIR_TAG}` = '{where}'")
@@ -137,7 +137,7 @@ def load_runs(
         if not runs:
             raise ReportError(f"no tracked runs of sweep {where} in {uri}")
     elif experiment is not None:
-        found = client.get_experiment_by_name(experiment)
+        found = client.get_experiment_by_name(store.experiment_name(experiment))
         if found is None:
             names = ", ".join(sorted(e.name for e in client.search_experiments()))
             raise ReportError(f"no experiment {experiment!r} in {uri}; there are: {names}")
@@ -503,7 +503,7 @@ def write_report(
     parents = {r.parent_id for r in runs}
     parent = parents.pop() if len(parents) == 1 else None
     if parent and uri:
-        from mlflow.tracking import MlflowClient
+        from bapo_cli.tracking import store
 
-        MlflowClient(tracking_uri=uri).log_artifacts(parent, str(out_dir), "report")
+        store.client(uri).log_artifacts(parent, str(out_dir), "report")
     return Report(out_dir, files, runs, parent)

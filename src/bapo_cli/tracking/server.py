@@ -53,3 +53,76 @@ def describe_failure(exc: BaseException) -> str:
             return short
     first = text.strip().splitlines()[0] if text.strip() else ""
     return f"{type(exc).__name__}: {first[:160]}" if first else type(exc).__name__
+
+
+# After SIGTERM/SIGINT is passed on, the UI's process group gets this long to exit before
+# SIGKILL (uvicorn closes its socket in well under a second when idle).
+UI_STOP_TIMEOUT_S = 10.0
+
+
+def run_ui(uri: str, port: int, host: str = "127.0.0.1") -> int:
+    """`mlflow ui` on `uri` until it exits or this process is told to stop; its exit code.
+
+    The UI runs in a process group of its own (it forks uvicorn workers) so that SIGTERM,
+    SIGINT and SIGHUP sent to `bapo ui` are passed on to all of it, and whatever way this
+    function ends, the group is stopped (SIGTERM, then SIGKILL): nothing is left listening.
+    The URI goes in the environment (`MLFLOW_BACKEND_STORE_URI`), not the command line that
+    other users can list, and the UI's output is relayed line by line, masked: MLflow's own
+    error lines print the URI, credentials included."""
+    import signal
+    import subprocess
+    import sys
+
+    command = [sys.executable, "-m", "mlflow", "ui", "--host", host, "--port", str(port)]
+    env = {**os.environ, "MLFLOW_BACKEND_STORE_URI": uri}
+    proc = subprocess.Popen(
+        command,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+        env=env,
+        start_new_session=True,
+        text=True,
+        errors="replace",
+    )
+    received: list[int] = []
+
+    def forward(signum: int, _frame: object) -> None:
+        received.append(signum)
+        _signal_group(proc.pid, signum)
+
+    stops = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+    previous = {s: signal.signal(s, forward) for s in stops}
+    try:
+        for line in proc.stdout:  # EOF once the UI (and every worker holding the pipe) exits
+            sys.stderr.write(redact.text(line))
+            sys.stderr.flush()
+        code = proc.wait()
+    finally:
+        stop_group(proc)
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    if received:
+        return 128 + received[0]  # the shell's convention for "ended by signal N"
+    return code if code >= 0 else 128 - code
+
+
+def _signal_group(pgid: int, signum: int) -> None:
+    import contextlib
+    import signal
+
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, signal.Signals(signum))
+
+
+def stop_group(proc: object) -> None:
+    """SIGTERM to a child's whole process group, SIGKILL after `UI_STOP_TIMEOUT_S`; reaped."""
+    import contextlib
+    import signal
+    import subprocess
+
+    _signal_group(proc.pid, signal.SIGTERM)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(timeout=UI_STOP_TIMEOUT_S)
+    _signal_group(proc.pid, signal.SIGKILL)  # workers of a leader that already exited
+    proc.wait()

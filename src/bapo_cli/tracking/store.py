@@ -1,12 +1,17 @@
-"""Where runs live: the store behind a tracking URI, created safely when several processes
-open it at once, and the experiment (with its artifact location) every writer needs first."""
+"""Where runs live: the store behind a tracking URI, created safely (and private) when several
+processes open it at once, the client every command talks to it through (fail-fast HTTP), and
+the experiment (with its artifact location) every writer needs first."""
 
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+
+from bapo_cli.tracking import redact
+from bapo_cli.tracking.server import fail_fast_http
 
 
 def sqlite_path(uri: str) -> Path | None:
@@ -36,6 +41,33 @@ def artifact_location(uri: str) -> str | None:
     return None if path is None else str(path.resolve().parent / ARTIFACTS_DIR)
 
 
+def client(uri: str) -> Any:
+    """An `MlflowClient` for `uri`, with MLflow's HTTP retries cut short first: every command
+    that talks to a store (`bapo train`, `eval`, `runs`, `report`, a sweep's parent run) fails
+    in seconds on a server that is down, not after minutes of silent retries."""
+    from mlflow.tracking import MlflowClient
+
+    fail_fast_http(uri)
+    return MlflowClient(tracking_uri=uri)
+
+
+def experiment_name(name: str) -> str:
+    """The experiment name as stored: masked like everything else that leaves the process
+    (`tracking.experiment` is free text). Idempotent, so readers look names up the same way."""
+    return redact.text(name)
+
+
+PRIVATE_FILE = 0o600  # a SQLite store holds the params and tags of every run
+
+
+def create_private(path: Path) -> None:
+    """Create an empty SQLite store file readable by its owner only, if none exists (SQLite
+    takes an empty file as a new database; its journal files copy the file's mode)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with contextlib.suppress(FileExistsError):
+        os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, PRIVATE_FILE))
+
+
 @contextlib.contextmanager
 def store_lock(uri: str) -> Iterator[None]:
     """Held while a process opens a SQLite store: the first to open a fresh store creates its
@@ -49,11 +81,14 @@ def store_lock(uri: str) -> Iterator[None]:
 
     path.parent.mkdir(parents=True, exist_ok=True)
     with FileLock(f"{path}.lock"):
+        create_private(path)
         yield
 
 
 def ensure_experiment(client: Any, name: str, artifact_location: str | None = None) -> str:
-    """The experiment's id, created if missing (tolerating a concurrent creator)."""
+    """The experiment's id, created if missing (tolerating a concurrent creator); `name` is
+    stored masked (`experiment_name`)."""
+    name = experiment_name(name)
     found = client.get_experiment_by_name(name)
     if found is not None:
         return found.experiment_id
@@ -69,8 +104,6 @@ def ensure_experiment(client: Any, name: str, artifact_location: str | None = No
 def open_experiment(uri: str, experiment: str) -> tuple[Any, str]:
     """(client, experiment id) with the store and the experiment created if missing, under the
     store's lock: what every writer (a single run, a sweep's launcher) does first."""
-    from mlflow.tracking import MlflowClient
-
     with store_lock(uri):
-        client = MlflowClient(tracking_uri=uri)
-        return client, ensure_experiment(client, experiment, artifact_location(uri))
+        mlflow = client(uri)
+        return mlflow, ensure_experiment(mlflow, experiment, artifact_location(uri))

@@ -9,6 +9,7 @@ from typing import Any
 
 from bapo_cli.tracking import redact
 from bapo_cli.tracking.server import hide_run_links
+from bapo_cli.tracking.store import client as store_client
 from bapo_cli.tracking.store import open_experiment
 
 PARENT_RUN_ENV = "BAPO_PARENT_RUN_ID"
@@ -51,10 +52,8 @@ def start_parent_run(uri: str, experiment: str, run_name: str, tags: dict[str, s
 
 def finish_parent_run(uri: str, run_id: str, status: str = "FINISHED") -> str | None:
     """Close the parent run; tag it with the sweep dir its children recorded (returned)."""
-    from mlflow.tracking import MlflowClient
-
     hide_run_links(uri)
-    client = MlflowClient(tracking_uri=uri)
+    client = store_client(uri)
     sweep_dirs = {r.data.tags.get(SWEEP_DIR_TAG) for r in child_runs(client, run_id)} - {None}
     sweep_dir = sorted(sweep_dirs)[0] if sweep_dirs else None
     if sweep_dir is not None:
