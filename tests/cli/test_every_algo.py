@@ -29,7 +29,7 @@ def test_every_algo_trains_one_step_from_the_cli(_output_root: Path) -> None:
         timeout=600,
     )
     algos = hydra_runner.group_options("algo")
-    assert len(algos) == 10
+    assert len(algos) == 16
     assert result.returncode == 0, result.stderr[-3000:]
     assert f"{len(algos)} jobs, every config validated" in result.stdout
     client = MlflowClient(tracking_uri=f"sqlite:///{_output_root}/mlflow.db")
@@ -55,4 +55,9 @@ def test_every_algo_trains_one_step_from_the_cli(_output_root: Path) -> None:
     assert bounds["dapo"] == bounds["clip_higher"] == (0.8, 1.28)
     assert bounds["gspo"] == (1 - 3e-4, 1 + 4e-4) and bounds["cispo"] == (0.0, 1.28)
     assert 0.6 <= bounds["bapo_recipe"][0] <= 0.8 and 1.2 <= bounds["bapo_recipe"][1] <= 2.0
+    # the rivals: DPPO shows its thresholds as 1 -/+ delta, M2PO, Clip-Cov and CE-GPPO their
+    # clip, KL-Cov no lower bound (c_high is the largest ratio it saw)
+    assert bounds["dppo_tv"] == (1 - 0.15, 1 + 0.15) and bounds["dppo_kl"] == (1 - 0.05, 1 + 0.05)
+    assert bounds["m2po"] == bounds["clip_cov"] == bounds["ce_gppo"] == (0.8, 1.2)
+    assert bounds["kl_cov"][0] == 0.0 and bounds["kl_cov"][1] >= 1.0
     assert runs["dapo"].data.metrics["reward/overlong_penalty_mean"] <= 0.0
