@@ -93,7 +93,7 @@ def _launch(config_name: str, overrides: list[str] | None, multirun: bool, task)
     if multirun:
         jobs = "a sampled number of" if checked.num_jobs is None else str(checked.num_jobs)
         Console().print(f"[bold]bapo {config_name}[/bold]: {jobs} jobs, every config validated")
-    if not (multirun and config_name == "train" and checked.config.tracking.backend == "mlflow"):
+    if not (multirun and config_name == "train" and "mlflow" in checked.config.tracking.backends):
         hydra_runner.run(
             (["--multirun"] if multirun else []) + checked.overrides,
             config_name=config_name,
@@ -144,33 +144,61 @@ def train(
     nproc: int = typer.Option(
         0,
         "--nproc",
-        help="Data-parallel processes on this machine: re-runs itself via torchrun (1 = one "
-        "process in a process group, e.g. NCCL/FSDP2 on one GPU); 0 = this process.",
+        help="Data-parallel processes on this machine (per node with --nnodes): re-runs itself "
+        "via torchrun (1 = one process in a process group, e.g. NCCL/FSDP2 on one GPU); "
+        "0 = this process (1 per node with --nnodes > 1).",
+    ),
+    nnodes: int = typer.Option(
+        1, "--nnodes", help="Machines; run the same command on each (docs/distributed.md)."
+    ),
+    node_rank: int | None = typer.Option(
+        None,
+        "--node-rank",
+        help="This machine's rank (0 runs at --rdzv-endpoint): fixed ranks, torchrun's static "
+        "rendezvous; omitted = c10d rendezvous assigns them.",
+        show_default=False,
+    ),
+    rdzv_endpoint: str | None = typer.Option(
+        None,
+        "--rdzv-endpoint",
+        help="HOST:PORT where the nodes meet (--nnodes > 1).",
+        show_default=False,
+    ),
+    slurm_script: Path | None = typer.Option(
+        None,
+        "--slurm-script",
+        help="Write an sbatch script (srun + torchrun, --nnodes × --nproc) instead of training.",
+        show_default=False,
     ),
 ) -> None:
     """Train a policy with the composed config (conf/train.yaml)."""
-    from bapo_cli.launch import jobs
+    from bapo_cli.launch import jobs, multinode
 
     if nproc < 0:
         raise _fail(f"--nproc {nproc}: must be >= 0 (0 = no torchrun)")
-    if nproc >= 1 and "WORLD_SIZE" not in os.environ:
+    many = nnodes != 1 or node_rank is not None or rdzv_endpoint is not None
+    topo = multinode.Topology(max(nproc, 1), nnodes, node_rank, rdzv_endpoint)  # 0 → 1 per node
+    if (nproc >= 1 or many or slurm_script) and "WORLD_SIZE" not in os.environ:
         if multirun:
             raise _fail("--nproc and -m together: run the sweep's jobs one torchrun at a time")
+        try:
+            topo.check(script=slurm_script is not None)
+        except multinode.LaunchError as err:
+            raise _fail(str(err)) from None
         checked = _preflight("train", overrides)  # bad input fails here, before N processes start
         _one_process_regime(checked.config.staleness.regime)
-        command = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            f"--nproc_per_node={nproc}",
-            "-m",
-            "bapo_cli",
-            "train",
-            *(overrides or []),
-        ]
-        raise typer.Exit(subprocess.call(command))
-    _launch("train", overrides, multirun, jobs.train_job)
+        if slurm_script is not None:
+            on_gpu = checked.config.model.device != "cpu"
+            text = multinode.slurm_script(topo, list(overrides or []), gpus=on_gpu)
+            slurm_script.write_text(text)
+            Console().print(f"wrote {slurm_script}: sbatch {slurm_script}")
+            return
+        program = multinode.train_program(list(overrides or []))
+        raise typer.Exit(subprocess.call(multinode.torchrun_command(topo, program)))
+    try:
+        _launch("train", overrides, multirun, jobs.train_job)
+    except KeyboardInterrupt:  # Ctrl-C: the trainer saved, closed and said how to resume
+        raise typer.Exit(130) from None
 
 
 @app.command(
@@ -195,6 +223,27 @@ def evaluate(
 
     overrides, several = _benchmark_list(list(overrides or []))
     _launch("eval", overrides, multirun or several, jobs.eval_job)
+
+
+@app.command(
+    "merge-lora",
+    epilog="Example:\n\n  bapo merge-lora outputs/runs/<date>/<time>/checkpoints/step_000100 out/",
+)
+def merge_lora(
+    checkpoint: Path = typer.Argument(..., help="A LoRA checkpoint (adapter_config.json)."),
+    out: Path = typer.Argument(..., help="Directory to write the merged HF model to."),
+    base: str | None = typer.Option(
+        None, "--base", help="Base model (HF id or dir); default: the one the adapter names."
+    ),
+) -> None:
+    """Merge a LoRA checkpoint into its base: a plain HF model dir (transformers, vLLM, eval)."""
+    from bapo_cli.models import lora
+
+    try:
+        written = lora.merge(checkpoint, out, base=base)
+    except lora.ModelLoadError as err:
+        raise _fail(str(err)) from None
+    Console().print(f"merged {checkpoint} into {written}")
 
 
 def _benchmark_list(overrides: list[str]) -> tuple[list[str], bool]:
@@ -270,14 +319,9 @@ def runs(
     if not rows:
         Console().print(f"no runs yet in {redact.text(uri)}")
         return
-    table = Table(title=f"runs in {redact.text(uri)}")
-    for column in ("run id", "experiment", "name", "status", "start", *RUN_COLUMNS):
-        table.add_column(column)
-    for row in rows:
-        values = [row.metrics.get(key) for key in RUN_COLUMNS]
-        shown = ["" if v is None else f"{v:.3f}" for v in values]
-        table.add_row(row.run_id[:12], row.experiment, row.name, row.status, row.start, *shown)
-    Console().print(table)
+    from bapo_cli.tracking import reader
+
+    reader.print_whole(reader.runs_table(rows, redact.text(uri), RUN_COLUMNS), Console())
 
 
 @contextlib.contextmanager

@@ -7,6 +7,9 @@ pre-flight could not see, then hand the typed config and the job's absolute run 
 
 from __future__ import annotations
 
+import os
+import re
+import shlex
 import sys
 from pathlib import Path
 
@@ -17,7 +20,12 @@ from rich.console import Console
 from bapo_cli.config.errors import USAGE_EXIT_CODE, ConfigError
 from bapo_cli.config.preflight import to_validated
 from bapo_cli.launch import plan
+from bapo_cli.launch.runlog import LoggedConsole, log
 from bapo_cli.tracking import redact
+
+SWEPT_ENV = "BAPO_SWEPT_KEYS"
+"""Set by a grouped sweep (bapo_cli.launch.sweep) for every job: the override keys whose values
+differ between its jobs, space-separated; a job's run is named by its values of them."""
 
 
 def _validated(cfg: DictConfig):
@@ -98,23 +106,81 @@ def _user_errors() -> tuple[type[Exception], ...]:
     return (ModelLoadError, DataError, CheckpointError)
 
 
+def _job_overrides() -> list[str]:
+    """This job's overrides as the user would type them: the CLI's pinned output root left out,
+    and the integers it quoted for Hydra (`staleness='4'`) unquoted again."""
+    task = HydraConfig.get().overrides.task
+    return [
+        re.sub(r"^([^=]+)='(\d+)'$", r"\1=\2", o)
+        for o in task
+        if not o.startswith("paths.output_root=")
+    ]
+
+
+def _swept() -> list[str]:
+    """A grouped sweep job's own values of what its sweep varies: `rho0=0.3` for algo.rho0."""
+    keys = os.environ.get(SWEPT_ENV, "").split()
+    out = []
+    for override in _job_overrides():
+        key, _, value = override.partition("=")
+        if key.lstrip("+~") in keys:
+            out.append(f"{key.lstrip('+~').split('.')[-1].split('/')[-1]}={value}")
+    return out
+
+
+def _resume_command(run_dir: Path) -> str:
+    """The command that continues this run from its last checkpoint: the job's overrides (a
+    sweep job's included), trainer.resume=true and the run dir; the output root only when it is
+    not the one `bapo` picks here anyway."""
+    from bapo_cli.config import hydra_runner
+
+    root = next(
+        (o.partition("=")[2] for o in HydraConfig.get().overrides.task if o.startswith("paths.")),
+        None,
+    )
+    default_root = hydra_runner.normalize_overrides([])[-1].partition("=")[2]
+    words = ["bapo", "train"]
+    words += [o for o in _job_overrides() if not o.startswith("trainer.resume=")]
+    if root is not None and root != default_root:
+        words.append(f"paths.output_root={root}")
+    words += ["trainer.resume=true", f"hydra.run.dir={run_dir}"]
+    return " ".join(shlex.quote(w) for w in redact.overrides(words))  # secrets masked
+
+
+def _error(line: str, code: int) -> None:
+    """One error line on stderr (and in the run's log file), then exit."""
+    print(line, file=sys.stderr)
+    log.error(line)
+    sys.exit(code)
+
+
 def train_job(cfg: DictConfig) -> float:
-    """Train; returns the final mean reward (the objective an Optuna sweep maximizes)."""
+    """Train; returns the final mean reward (the objective an Optuna sweep maximizes).
+
+    A run stopped by Ctrl-C (saved, summarised, resume command shown) raises KeyboardInterrupt
+    here, so a sweep stops too and the CLI exits 130."""
     from bapo_cli.trainer.train import TrainingError, train
 
     config = _validated(cfg)
     run_dir = _run_dir()
     _share_cores()
-    console = Console()
+    console = LoggedConsole()
     plan.show("bapo train", plan.train_rows(config, run_dir), console)
     try:
-        result = train(config, run_dir, console, tags=_job_tags())
+        result = train(
+            config,
+            run_dir,
+            console,
+            tags=_job_tags(),
+            swept=_swept(),
+            resume_command=_resume_command(run_dir),
+        )
     except _user_errors() as err:
-        print(f"error: {err}", file=sys.stderr)
-        sys.exit(USAGE_EXIT_CODE)
+        _error(f"error: {err}", USAGE_EXIT_CODE)
     except TrainingError as err:
-        print(f"error: {err}", file=sys.stderr)
-        sys.exit(1)
+        _error(f"error: {err}", 1)
+    if result.interrupted:
+        raise KeyboardInterrupt
     tail = result.history[-max(len(result.history) // 10, 1) :]
     return sum(h["reward/mean"] for h in tail) / len(tail)
 

@@ -1,9 +1,13 @@
 """Reading runs back for `bapo runs`: newest first, one row each, without creating a store
-that was never written."""
+that was never written; and the table that shows them, whole at any console width."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+
+from rich.console import Console
+from rich.table import Table
 
 from bapo_cli.tracking.store import client as store_client
 from bapo_cli.tracking.store import experiment_name, store_exists
@@ -46,3 +50,29 @@ def list_runs(uri: str, experiment: str | None = None, limit: int = 50) -> list[
         )
         for r in runs
     ]
+
+
+def runs_table(rows: list[RunRow], where: str, columns: Sequence[str]) -> Table:
+    """One row per run: the full run id (what `bapo report RUN_ID` and MLflow take), experiment,
+    name, status, start and the last value of each metric in `columns`."""
+    table = Table(title=f"runs in {where}", title_justify="left")
+    for column in ("run id", "experiment", "name", "status", "start"):
+        table.add_column(column, no_wrap=True)
+    for column in columns:
+        table.add_column(column, justify="right")
+    for row in rows:
+        values = [row.metrics.get(key) for key in columns]
+        shown = ["" if v is None else f"{v:.3f}" for v in values]
+        table.add_row(row.run_id, row.experiment, row.name, row.status, row.start, *shown)
+    return table
+
+
+def print_whole(table: Table, console: Console) -> None:
+    """Print `table` at its natural width when the console is narrower. rich fits a table to the
+    console by cutting cells (a pipe counts as 80 columns: run ids came out as 4 characters);
+    ids and names must stay copyable, so the lines are made as long as the table needs and a
+    narrow terminal wraps them instead."""
+    natural = Console(width=10_000).measure(table).maximum
+    if natural > console.width:
+        console = Console(width=natural, file=console.file)
+    console.print(table)

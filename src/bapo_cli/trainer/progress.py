@@ -1,25 +1,68 @@
-"""What a person watches while training runs: a rich progress bar and the closing summary table."""
+"""What a person watches while training runs: a rich progress bar, a status line at a readable
+cadence, and the closing summary (a table, then where everything went and what to type next).
+
+On a terminal the bar shows steps done, steps/s, elapsed time and the ETA, with the latest
+reward, entropy and clip bounds; the status lines stay above it as a record. Without a live
+display (CI, a pipe, a file) only the status lines are printed, at the same cadence. Lines a user
+copies (paths, run ids, commands) are printed with soft wrapping: a console of any width (a pipe
+is 80 columns) never cuts or breaks them.
+"""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    ProgressColumn,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
 from rich.table import Table
+from rich.text import Text
 
 from bapo_cli.tracking import redact
 
+LINES_PER_RUN = 20
+"""Status lines a run prints at most by step count (plus the first and the last step)."""
+MAX_SILENCE_S = 30.0
+"""A status line at least this often however slow the steps are (a loaded machine)."""
+
+
+class _StepsPerSecond(ProgressColumn):
+    """rich's speed estimate of the task (over its last 30 s) as steps/s."""
+
+    def render(self, task) -> Text:  # noqa: ANN001 - rich's Task
+        speed = task.finished_speed or task.speed
+        return Text("– steps/s" if speed is None else f"{speed:.2f} steps/s", style="cyan")
+
+
+def status_line(m: dict[str, float]) -> str:
+    """One step's reward, entropy and clip bounds (BAPO's adaptive [c_low, c_high])."""
+    return (
+        f"reward {m.get('reward/mean', 0):.3f}  entropy {m.get('actor/entropy', 0):.3f}  "
+        f"clip [{m.get('actor/c_low', 0):.2f}, {m.get('actor/c_high', 0):.2f}]"
+    )
+
 
 class TrainProgress:
-    """Step counter with reward, entropy and clip bounds of the latest step."""
+    """The bar (terminal only) and the status lines (always): at the first step, every
+    `total // LINES_PER_RUN` steps, after `MAX_SILENCE_S` without one, and at the last step."""
 
     def __init__(self, total: int, done: int, console: Console) -> None:
         self.progress = Progress(
             TextColumn("[bold]train"),
             BarColumn(),
             MofNCompleteColumn(),
+            _StepsPerSecond(),
             TimeElapsedColumn(),
+            TextColumn("ETA"),
+            TimeRemainingColumn(),
             TextColumn("{task.fields[info]}"),
             console=console,
             transient=False,
@@ -27,6 +70,9 @@ class TrainProgress:
         )
         self.task = self.progress.add_task("train", total=total, completed=done, info="")
         self.console = console
+        self.total, self.start_step = total, done
+        self.every = max(1, total // LINES_PER_RUN)
+        self.started = self.last_line = time.monotonic()
 
     def __enter__(self) -> TrainProgress:
         self.progress.__enter__()
@@ -36,15 +82,37 @@ class TrainProgress:
         self.progress.__exit__(*exc)
 
     def update(self, step: int, m: dict[str, float]) -> None:
-        info = (
-            f"reward {m.get('reward/mean', 0):.3f}  entropy {m.get('actor/entropy', 0):.3f}  "
-            f"clip [{m.get('actor/c_low', 0):.2f}, {m.get('actor/c_high', 0):.2f}]"
-        )
+        info = status_line(m)
         self.progress.update(self.task, completed=step, info=info)
-        if self.progress.disable:  # no live display (CI, pipes): one plain line per step
+        now = time.monotonic()
+        due = (
+            step == self.start_step + 1
+            or step % self.every == 0
+            or step == self.total
+            or now - self.last_line >= MAX_SILENCE_S
+        )
+        if due:
+            self.last_line = now
+            rate = (step - self.start_step) / max(now - self.started, 1e-9)
+            eta = (self.total - step) / rate if rate > 0 else 0.0
             self.console.print(
-                f"step {step}/{self.progress.tasks[0].total}  {info}", highlight=False
+                f"step {step}/{self.total}  {info}  {rate:.2f} steps/s  ETA {_clock(eta)}",
+                highlight=False,
+                markup=False,
+                soft_wrap=True,
             )
+
+    def note(self, line: str) -> None:
+        """A line above the bar (e.g. Ctrl-C was seen)."""
+        self.console.print(line, highlight=False, markup=False, soft_wrap=True)
+
+
+def _clock(seconds: float) -> str:
+    """m:ss, or h:mm:ss from an hour on."""
+    seconds = int(round(seconds))
+    if seconds < 3600:
+        return f"{seconds // 60}:{seconds % 60:02d}"
+    return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
 
 
 def _mean(history: list[dict[str, float]], key: str, part: slice) -> float | None:
@@ -52,12 +120,10 @@ def _mean(history: list[dict[str, float]], key: str, part: slice) -> float | Non
     return sum(values) / len(values) if values else None
 
 
-def summary_table(
-    history: list[dict[str, float]], run_dir: Path, uri: str, run_id: str | None
-) -> Table:
-    """First and last tenth of the run side by side, then where everything went."""
+def summary_table(history: list[dict[str, float]], title: str = "bapo train: summary") -> Table:
+    """First and last tenth of the run side by side."""
     tenth = max(len(history) // 10, 1)
-    table = Table(title="bapo train: summary", title_justify="left")
+    table = Table(title=title, title_justify="left")
     for column in ("metric", f"first {tenth} steps", f"last {tenth} steps"):
         table.add_column(column)
     for key in (
@@ -76,8 +142,51 @@ def summary_table(
         first, last = _mean(history, key, slice(0, tenth)), _mean(history, key, slice(-tenth, None))
         if first is not None:
             table.add_row(key, f"{first:.4f}", f"{last:.4f}")
-    table.caption = f"run dir: {run_dir}\nMLflow: {redact.text(uri) or 'off'}" + (
-        f"  run {run_id}" if run_id else ""
-    )
-    table.caption_justify = "left"
     return table
+
+
+def where_lines(
+    run_dir: Path, uri: str, run_id: str | None, *, resume: str | None = None
+) -> list[str]:
+    """Where the run went and what to type next: the run dir, the MLflow store and run, how to
+    open it (`bapo ui`), and for a stopped run the exact command that continues it."""
+    lines = [f"run dir: {run_dir}"]
+    if run_id:
+        lines.append(f"MLflow: {redact.text(uri)}  run {run_id}")
+        lines.append(f"open the results: {ui_command(uri)}")
+    else:
+        lines.append("MLflow: off (tracking=none)")
+    if resume:
+        lines.append(f"resume: {resume}")
+    return lines
+
+
+def ui_command(uri: str) -> str:
+    """`bapo ui`, with `--uri` when the store is not the one it opens by default."""
+    return "bapo ui" + ("" if _default_uri(uri) else f" --uri {redact.text(uri)}")
+
+
+def _default_uri(uri: str) -> bool:
+    """Whether `bapo ui` without --uri opens `uri`: the default store of conf/tracking/mlflow.yaml
+    under the output root `bapo` picks here (./outputs or $BAPO_OUTPUT_ROOT). Not by composing
+    the config: this runs inside a Hydra job, where Hydra cannot be initialised again."""
+    from bapo_cli.config import hydra_runner
+
+    root = hydra_runner.normalize_overrides([])[-1].partition("=")[2]
+    return uri == f"sqlite:///{root}/mlflow.db"
+
+
+def print_summary(
+    console: Console,
+    history: list[dict[str, float]],
+    run_dir: Path,
+    uri: str,
+    run_id: str | None,
+    *,
+    resume: str | None = None,
+    title: str = "bapo train: summary",
+) -> None:
+    """The table, then the where-lines unwrapped (copyable at any console width)."""
+    console.print(summary_table(history, title))
+    for line in where_lines(run_dir, uri, run_id, resume=resume):
+        console.print(line, highlight=False, markup=False, soft_wrap=True)

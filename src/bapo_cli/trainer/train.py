@@ -33,26 +33,30 @@ import transformers
 from omegaconf import OmegaConf
 from rich.console import Console
 
+from bapo_cli import threads
 from bapo_cli.algos import advantages as adv_registry
 from bapo_cli.algos.bounds import rho_from_sums
 from bapo_cli.algos.shaping import overlong_penalty
 from bapo_cli.config.schema import TrainConfig
 from bapo_cli.evaluation import evaluate
 from bapo_cli.models import loading as models
+from bapo_cli.models import lora
 from bapo_cli.rollout.base import Sample, SamplingParams, make_engine, resolve_engine_name
 from bapo_cli.rollout.collect import Collector, DynamicSampling
 from bapo_cli.staleness.regimes import REGIMES, Regime, make_regime
 from bapo_cli.staleness.worker import WorkerError
-from bapo_cli.tracking import describe_failure, flatten, make_tracker, redact
+from bapo_cli.tracking import flatten, make_tracker, redact, start_failure
 from bapo_cli.trainer import checkpoint, distributed
+from bapo_cli.trainer.interrupt import GracefulStop
 from bapo_cli.trainer.policy import (
     MicroBatch,
     ResponseLogits,
     collate,
     disable_dropout,
     record_behaviour,
+    split_micro,
 )
-from bapo_cli.trainer.progress import TrainProgress, summary_table
+from bapo_cli.trainer.progress import TrainProgress, print_summary
 from bapo_cli.trainer.prompts import PromptStream
 from bapo_cli.trainer.update import (
     RHO_SUMS,
@@ -88,6 +92,7 @@ class TrainResult:
         default_factory=list
     )  # per optimizer update (this process)
     last_batch: list[Sample] = field(default_factory=list)  # the samples of the last step
+    interrupted: bool = False  # stopped by Ctrl-C (checkpoint saved, run KILLED)
 
 
 @dataclass
@@ -123,9 +128,14 @@ class Run:
     def layout(self, samples: list[Sample]) -> list[list[MicroBatch]]:
         """Mini-batches (one per optimizer update) of micro-batches; the same split scores the
         behaviour log-probs and trains, so an on-policy update sees identical tensors."""
-        size, pad = self.cfg.trainer.micro_batch_size, self.tokenizer.pad_token_id
+        trainer, pad = self.cfg.trainer, self.tokenizer.pad_token_id
         return [
-            [collate(part[i : i + size], pad, self.device) for i in range(0, len(part), size)]
+            [
+                collate(micro, pad, self.device)
+                for micro in split_micro(
+                    part, size=trainer.micro_batch_size, tokens=trainer.micro_batch_tokens
+                )
+            ]
             for part in self.regime.split(samples)
         ]
 
@@ -161,14 +171,21 @@ def train(
     console: Console | None = None,
     *,
     tags: dict[str, str] | None = None,  # extra run tags (a sweep job's parent, overrides)
+    swept: list[str] | None = None,  # a sweep job's own values (`rho0=0.3`): its run name
+    resume_command: str | None = None,  # what continues this run (shown when Ctrl-C stops it)
 ) -> TrainResult:
-    """Start, build, resume, track, loop, save, close."""
+    """Start, build, resume, track, loop, save, close.
+
+    The first Ctrl-C ends the loop after the step in progress and still saves, closes (MLflow:
+    KILLED) and prints the summary with `resume_command`; the result says `interrupted`. A second
+    Ctrl-C raises KeyboardInterrupt at once (bapo_cli.trainer.interrupt)."""
     ctx, run_dir, console = _start(cfg, run_dir, console)
     resume_from, saved = _find_checkpoint(cfg, run_dir, console)
+    _say_first_build(cfg, console, resume_from)
     run = _build(cfg, ctx, run_dir, console, resume_from)
     if resume_from is not None and saved is not None:
         _resume(run, resume_from, saved)
-    tracker = _start_tracking(run, tags or {}, resumed=resume_from is not None)
+    tracker = _start_tracking(run, tags or {}, resumed=resume_from is not None, swept=swept)
     run.val_sets = (
         evaluate.validation_sets(cfg, grader=run.prompts.math.grade_batch)
         if cfg.trainer.val_every and ctx.is_main
@@ -177,18 +194,70 @@ def train(
     if cfg.trainer.val_every and run.state.step == 0:
         tracker.log_metrics(_validate(run), step=0)
     status = "FAILED"
+    stop = GracefulStop(_say(console), enabled=not ctx.enabled)
     try:
         # async: the generation worker starts from the weights and version training resumes at
         run.regime.start(cfg, run.model, run.state.version)
-        _loop(run, tracker)
-        status = "FINISHED"
+        with stop:
+            _loop(run, tracker, stop)
+        status = "KILLED" if stop.requested else "FINISHED"
+    except KeyboardInterrupt:  # a second Ctrl-C, or one before the loop began
+        status = "KILLED"
+        raise
     except WorkerError as err:
         raise TrainingError(str(err)) from err
     finally:
         _close(run, tracker, status)
-    console.print(summary_table(run.state.history, run_dir, cfg.tracking.uri, tracker.run_id))
+    resume = None
+    if stop.requested:
+        resume = resume_command or (
+            f"rerun the same command with trainer.resume=true hydra.run.dir={run_dir}"
+        )
+    title = "bapo train: summary" + (
+        f" (stopped by Ctrl-C at step {run.state.step})" if stop.requested else ""
+    )
+    print_summary(
+        console,
+        run.state.history,
+        run_dir,
+        cfg.tracking.uri,
+        tracker.run_id,
+        resume=resume,
+        title=title,
+    )
     return TrainResult(
-        run_dir, tracker.run_id, run.state.history, run.last_ckpt, run.updates, run.batch
+        run_dir,
+        tracker.run_id,
+        run.state.history,
+        run.last_ckpt,
+        run.updates,
+        run.batch,
+        interrupted=stop.requested,
+    )
+
+
+def _say(console: Console):
+    """A line on the console (rank 0's), unwrapped and without markup."""
+    return lambda line: console.print(line, highlight=False, markup=False, soft_wrap=True)
+
+
+def _say_first_build(cfg: TrainConfig, console: Console, resume_from: Path | None) -> None:
+    """The first use of tiny settings that do not ship builds the model (minutes, silent
+    otherwise): say so before it starts."""
+    if resume_from is not None or cfg.model.path != models.TINY:
+        return
+    from bapo_cli.models import tiny
+
+    shipped = getattr(tiny, "shipped_dir", lambda _cfg: None)(cfg.model.tiny)
+    directory = tiny.tiny_dir(cfg.model.tiny)
+    if shipped is not None or tiny.is_complete(directory):
+        return
+    console.print(
+        f"first use of these tiny-model settings: building the model now (a supervised warm-up "
+        f"on task {cfg.model.tiny.task!r}: minutes on 2 cores, once; cached in {directory})",
+        highlight=False,
+        markup=False,
+        soft_wrap=True,
     )
 
 
@@ -209,6 +278,9 @@ def _start(
     console = console or Console()
     if not ctx.is_main:
         console = Console(quiet=True)
+    chosen = threads.configure()  # from the cores free now; BAPO_THREADS=legacy: torch's own
+    why = f" ({chosen.why})" if chosen else " (BAPO_THREADS=legacy)"
+    console.print(f"torch threads: {torch.get_num_threads()}{why}")
     transformers.utils.logging.disable_progress_bar()  # ours is the one to watch
     run_dir = Path(ctx.broadcast(str(run_dir)))  # every rank writes under rank 0's run dir
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -299,19 +371,45 @@ def _policy(
     """(policy, tokenizer, KL reference, scorer, autocast dtype). Mixed precision: float32
     weights and optimizer state, forwards in model.dtype (autocast; FSDP2 casts through its
     MixedPrecisionPolicy instead)."""
-    model_cfg = cfg.model if resume_from is None else replace(cfg.model, path=str(resume_from))
+    use_lora = lora.enabled(cfg.model)  # resume: base from model.path, adapter from checkpoint
+    from_ckpt = resume_from is not None and not use_lora
+    model_cfg = replace(cfg.model, path=str(resume_from)) if from_ckpt else cfg.model
     device = models.resolve_device(model_cfg)
     compute_dtype = models.resolve_dtype(model_cfg, device)
     mixed = cfg.trainer.precision == "mixed" and compute_dtype != torch.float32
     stored_dtype = torch.float32 if mixed else compute_dtype
     autocast = compute_dtype if mixed and not ctx.sharded else None
+    if use_lora:
+        _check_lora(cfg, ctx)
     model, tokenizer = models.load_policy(model_cfg, device=device, dtype=stored_dtype)
+    if use_lora:
+        if resume_from is None:
+            model = lora.apply(model, cfg.model.lora)
+        else:
+            model = lora.load_adapter(model, resume_from)
     disable_dropout(model)
     model.train()
     ref_model = _reference(model, cfg, compute_dtype)  # before sharding: a plain frozen copy
     # what computes log-probs: DDP-wrapped or FSDP2-sharded under torchrun
-    scorer = ctx.wrap(ResponseLogits(model, autocast), compute_dtype)
+    chunk = cfg.trainer.logprob_chunk
+    scorer = ctx.wrap(ResponseLogits(model, autocast, chunk), compute_dtype)
+    if ref_model is not None:  # scored through the same chunked output layer
+        ref_model = ResponseLogits(ref_model, None, chunk)
     return model, tokenizer, ref_model, scorer, autocast
+
+
+def _check_lora(cfg: TrainConfig, ctx: distributed.DistContext) -> None:
+    """What LoRA does not support (yet): sharding, and a generation worker of its own."""
+    if ctx.sharded:
+        raise TrainingError(
+            "model.lora with trainer.strategy=fsdp2: not supported; use trainer.strategy=ddp "
+            "(the adapters are small: every rank holds them whole)"
+        )
+    if REGIMES.get(cfg.staleness.regime).generates_elsewhere:
+        raise TrainingError(
+            f"model.lora with staleness.regime={cfg.staleness.regime}: its generation worker "
+            "loads a plain model and cannot take adapter weights; use another regime"
+        )
 
 
 def _sampling(cfg: TrainConfig) -> SamplingParams:
@@ -332,7 +430,7 @@ def _optimizer(
     updates a rollout batch makes."""
     per_batch = REGIMES.get(cfg.staleness.regime).updates_per_batch(cfg.staleness.k)
     total_updates = cfg.trainer.max_steps * per_batch * cfg.staleness.ppo_epochs
-    optimizer = torch.optim.AdamW(
+    optimizer = torch.optim.AdamW(  # under LoRA the adapters only: the base is frozen
         model.parameters(), lr=cfg.trainer.lr, weight_decay=cfg.trainer.weight_decay
     )
     scheduler = torch.optim.lr_scheduler.LambdaLR(
@@ -393,16 +491,16 @@ def _resume(run: Run, resume_from: Path, saved: dict[str, Any]) -> None:
     run.console.print(f"resumed from {resume_from} at step {run.state.step}")
 
 
-def _start_tracking(run: Run, tags: dict[str, str], *, resumed: bool) -> Any:
-    """The MLflow run (rank 0; the others get a no-op tracker). The store must answer now;
-    later outages only delay metrics (bapo_cli.tracking)."""
+def _start_tracking(
+    run: Run, tags: dict[str, str], *, resumed: bool, swept: list[str] | None = None
+) -> Any:
+    """The run's trackers, `tracking.backends` (rank 0; the others get a no-op tracker). Each
+    must start now; later outages only delay metrics (bapo_cli.tracking)."""
     cfg = run.cfg
     try:
         tracker = make_tracker(
-            cfg.tracking.backend if run.ctx.is_main else "none",
-            cfg.tracking.uri,
-            cfg.tracking.experiment,
-            run_name=cfg.tracking.run_name or _run_name(cfg),
+            cfg.tracking if run.ctx.is_main else None,
+            run_name=cfg.tracking.run_name or _run_name(cfg, swept),
             run_id=run.run_id,
             tags={**_tags(cfg, run.engine_name), **tags},
             run_dir=run.run_dir,
@@ -412,11 +510,8 @@ def _start_tracking(run: Run, tags: dict[str, str], *, resumed: bool) -> Any:
             tracker.log_params(params)
     except Exception as err:
         run.engine.close()
-        raise TrainingError(
-            f"tracking: cannot start the MLflow run at {redact.text(cfg.tracking.uri)} "
-            f"({describe_failure(err)}); start the server, or pass tracking.uri=... or "
-            "tracking=none"
-        ) from err
+        hint = "start the server, or pass tracking.uri=... or tracking=none"
+        raise TrainingError(start_failure(cfg.tracking, err, hint)) from err
     if not resumed:
         tracker.log_text(config_yaml, "config.yaml")
     return tracker
@@ -453,12 +548,14 @@ def _close(run: Run, tracker: Any, status: str) -> None:
 # ----------------------------------------------------------------------------- loop, step, save
 
 
-def _loop(run: Run, tracker: Any) -> None:
-    """Steps until trainer.max_steps: metrics averaged over ranks, validation, logging and
-    checkpoints at their intervals."""
+def _loop(run: Run, tracker: Any, stop: GracefulStop) -> None:
+    """Steps until trainer.max_steps or a Ctrl-C (`stop.requested`, seen between steps): metrics
+    averaged over ranks, validation, logging and checkpoints at their intervals; the last step
+    done is always saved."""
     cfg, state = run.cfg, run.state
     with TrainProgress(cfg.trainer.max_steps, state.step, run.console) as progress:
-        while state.step < cfg.trainer.max_steps:
+        stop.say = progress.note  # above the bar
+        while state.step < cfg.trainer.max_steps and not stop.requested:
             metrics = _train_step(run)
             metrics.update(run.prompts.take_grading())  # reward/timeouts|over_budget, grade_s
             metrics = run.ctx.mean_metrics(metrics)
@@ -467,11 +564,14 @@ def _loop(run: Run, tracker: Any) -> None:
             if cfg.trainer.val_every and (at_end or state.step % cfg.trainer.val_every == 0):
                 metrics.update(_validate(run))
             state.history.append(metrics)
-            if state.step % cfg.trainer.log_every == 0 or at_end:
+            last = at_end or stop.requested  # a Ctrl-C during this step: its end is the run's
+            if state.step % cfg.trainer.log_every == 0 or last:
                 tracker.log_metrics(metrics, step=state.step)
             progress.update(state.step, metrics)
-            if at_end or (cfg.trainer.save_every and state.step % cfg.trainer.save_every == 0):
+            if last or (cfg.trainer.save_every and state.step % cfg.trainer.save_every == 0):
                 _save(run, tracker)
+                if stop.requested:
+                    progress.note(f"checkpoint saved: {run.last_ckpt}")
 
 
 def _train_step(run: Run) -> dict[str, float]:
@@ -485,7 +585,7 @@ def _train_step(run: Run) -> dict[str, float]:
     new_tokens = run.collector.generated_tokens - tokens_before
     adv_stats = _advantages(run.cfg, batch)
     t1 = time.perf_counter()
-    update_metrics, trained_tokens = _optimize(run, batch)
+    update_metrics, trained_tokens, layout = _optimize(run, batch)
     train_s = time.perf_counter() - t1
     with run.ctx.gathered(run.scorer):  # FSDP2: an engine with its own copy reads full weights
         policy = getattr(run.scorer, "module", run.scorer).model
@@ -510,8 +610,10 @@ def _train_step(run: Run) -> dict[str, float]:
         trained_tokens=trained_tokens,
         searched=run.spec.searches_bounds,
     )
+    metrics.update(layout)  # perf/pad_frac, perf/micro_batches
     metrics.update(run.collector.take_mismatch())  # rollout/logprob_abs_diff_* (engine)
     metrics.update(run.collector.take_dynamic())  # dynamic/* (algo.dynamic_sampling)
+    metrics.update(run.prompts.watch(batch))  # reward/silent_steps; warns once when no signal
     if "overlong_penalty_mean" in adv_stats:
         metrics["reward/overlong_penalty_mean"] = adv_stats["overlong_penalty_mean"]
     run.updates += update_metrics
@@ -541,9 +643,19 @@ def _advantages(cfg: TrainConfig, batch: list[Sample]) -> dict[str, Any]:
     return adv_stats
 
 
-def _optimize(run: Run, batch: list[Sample]) -> tuple[list[dict[str, float]], int]:
-    """One optimizer update per mini-batch, × ppo_epochs; (per-update metrics, tokens trained)."""
+def _optimize(
+    run: Run, batch: list[Sample]
+) -> tuple[list[dict[str, float]], int, dict[str, float]]:
+    """One optimizer update per mini-batch, × ppo_epochs; (per-update metrics, tokens trained,
+    the micro-batch layout's perf/pad_frac and perf/micro_batches)."""
     minis = run.layout(batch)  # the tensors the behaviour log-probs were scored on (reuse)
+    micro_all = [mb for micro in minis for mb in micro]
+    padded = sum(mb.padded_tokens for mb in micro_all)
+    layout = {
+        # padding share of the positions the forwards saw (every epoch sees the same layout)
+        "perf/pad_frac": 1.0 - sum(mb.real_tokens for mb in micro_all) / max(padded, 1),
+        "perf/micro_batches": float(len(micro_all) * run.cfg.staleness.ppo_epochs),
+    }
     recomputed: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor | None]] = {}
     update_metrics: list[dict[str, float]] = []
     trained_tokens = 0
@@ -565,7 +677,7 @@ def _optimize(run: Run, batch: list[Sample]) -> tuple[list[dict[str, float]], in
         _account_update(result, run.state, run.scheduler, run.cfg.trainer.max_skipped_steps)
         update_metrics.append(result.metrics)
         trained_tokens += result.tokens
-    return update_metrics, trained_tokens
+    return update_metrics, trained_tokens, layout
 
 
 def _prepare(
@@ -798,9 +910,12 @@ def run_record(cfg: TrainConfig) -> tuple[dict[str, str], str]:
     return params, OmegaConf.to_yaml(tree)
 
 
-def _run_name(cfg: TrainConfig) -> str:
+def _run_name(cfg: TrainConfig, swept: list[str] | None = None) -> str:
+    """`bapo-reuse4-tiny-s0`, and for a sweep job the values it sweeps (`...-s0-rho0=0.3`), so
+    the children of one sweep are told apart by name."""
     stale = f"{cfg.staleness.regime}{cfg.staleness.k}"
-    return f"{cfg.algo.name}-{stale}-{cfg.model.name}-s{cfg.trainer.seed}"
+    name = f"{cfg.algo.name}-{stale}-{cfg.model.name}-s{cfg.trainer.seed}"
+    return "-".join([name, *(swept or [])])
 
 
 def _tags(cfg: TrainConfig, engine: str) -> dict[str, str]:
