@@ -562,7 +562,22 @@ class TrainerConfig:
     weight_decay: float = opt(0.0, "AdamW weight decay")
     grad_clip: float | None = opt(1.0, "max global grad norm; null = off")
     prompts_per_step: int = opt(32, "prompts per rollout batch (each sampled rollout.n times)")
-    micro_batch_size: int = opt(64, "sequences per forward/backward (gradient accumulation)")
+    micro_batch_size: int = opt(
+        64,
+        "sequences per forward/backward (gradient accumulation), in arrival order; used when "
+        "micro_batch_tokens is null",
+    )
+    micro_batch_tokens: int | None = opt(
+        None,
+        "padded tokens (prompt + response) per forward/backward instead of a sample count: each "
+        "mini-batch's samples sorted by length and packed greedily under this budget (a sample "
+        "longer than the budget gets a micro-batch of its own); null = micro_batch_size",
+    )
+    logprob_chunk: int = opt(
+        256,
+        "response tokens per chunk through the output layer when computing log-probs and "
+        "entropy (memory ~2 x chunk x vocabulary x 4 bytes, whatever the response length)",
+    )
     seed: int = opt(0, "seed of everything (0 is a seed)")
     save_every: int = opt(0, "checkpoint every N steps; 0 = only at the end")
     keep_last: int | None = opt(
@@ -627,6 +642,9 @@ class TrainerConfig:
             _positive("grad_clip", self.grad_clip)
         _positive("prompts_per_step", self.prompts_per_step)
         _positive("micro_batch_size", self.micro_batch_size)
+        if self.micro_batch_tokens is not None:
+            _positive("micro_batch_tokens", self.micro_batch_tokens)
+        _positive("logprob_chunk", self.logprob_chunk)
         _positive("save_every", self.save_every, allow_zero=True)
         if self.keep_last is not None and self.keep_last < 1:
             raise ConfigError("keep_last", self.keep_last, "must be >= 1 (or null to keep all)")

@@ -298,13 +298,9 @@ def _build(spec: WorkerSpec) -> _Generate:
     engine = make_engine(
         spec.engine, model=model, tokenizer=tokenizer, cfg=spec.cfg, autocast=spec.autocast
     )
-    scorer = ResponseLogits(model, spec.autocast)
+    scorer = ResponseLogits(model, spec.autocast, spec.cfg.trainer.logprob_chunk)
     score = partial(
-        _score,
-        scorer,
-        tokenizer.pad_token_id,
-        spec.cfg.trainer.micro_batch_size,  # the trainer's layout
-        spec.params.temperature,
+        _score, scorer, tokenizer.pad_token_id, spec.cfg.trainer, spec.params.temperature
     )
     collector = Collector(
         engine=engine,
@@ -318,14 +314,14 @@ def _build(spec: WorkerSpec) -> _Generate:
     return _Generate(model, engine, collector)
 
 
-def _score(scorer, pad_id: int, size: int, temperature: float, samples: list[Sample]) -> None:
-    """Behaviour log-probs with the weights that just sampled, in the trainer's micro-batch layout
-    (so an unchanged policy scores a token as the trainer's first update will)."""
-    from bapo_cli.trainer.policy import collate, record_behaviour
+def _score(scorer, pad_id: int, trainer: Any, temperature: float, samples: list[Sample]) -> None:
+    """Behaviour log-probs with the weights that just sampled, split as the trainer splits
+    micro-batches (trainer.micro_batch_size / micro_batch_tokens)."""
+    from bapo_cli.trainer.policy import collate, record_behaviour, split_micro
 
-    for i in range(0, len(samples), size):
-        mb = collate(samples[i : i + size], pad_id, torch.device("cpu"))
-        record_behaviour(scorer, mb, temperature)
+    size, tokens = trainer.micro_batch_size, trainer.micro_batch_tokens
+    for micro in split_micro(samples, size=size, tokens=tokens):
+        record_behaviour(scorer, collate(micro, pad_id, torch.device("cpu")), temperature)
 
 
 def _next_request(requests: Any, parent_pid: int, stop: Any) -> list[Sample] | None:

@@ -4,7 +4,9 @@ the trainer's state.
 Layout: `<run_dir>/checkpoints/step_000010/` holds `model.safetensors`, `config.json`, the
 tokenizer files (loadable by transformers and vLLM as they are) and `trainer_state.pt` (optimizer,
 scheduler, RNG states, step, policy version, the staleness regime's buffers, the data position,
-the MLflow run id).
+the MLflow run id). Under LoRA (`model.lora.rank > 0`) the weights are the adapter's alone
+(`adapter_config.json`, `adapter_model.safetensors`; the base stays where `model.path` points):
+resume loads the base from there and the adapter from here; `bapo merge-lora` writes a plain model.
 
 Atomic: a checkpoint is written into `step_000010.tmp-<pid>-<random>/` (no two writers share a
 temporary), `COMPLETE` is written last and the directory is then renamed to its final name. Only
@@ -41,6 +43,8 @@ import numpy as np
 import torch
 
 MARKER = "COMPLETE"
+# what says how to load the weights: a whole model's config, or a LoRA adapter's (model.lora)
+WEIGHT_CONFIGS = ("config.json", "adapter_config.json")
 STATE_FILE = "trainer_state.pt"
 STEP_RE = re.compile(r"^step_(\d{6})$")
 # a temporary being written (tmp) or a replaced checkpoint set aside (old), by process <pid>
@@ -235,8 +239,10 @@ def latest_usable(root: Path, warn: Any = print) -> tuple[Path, dict[str, Any]] 
     done = complete(root)
     for path in reversed(done):
         try:
-            if not (path / "config.json").is_file():
-                raise CheckpointError(f"checkpoint {path} has no config.json")
+            if not any((path / name).is_file() for name in WEIGHT_CONFIGS):
+                raise CheckpointError(
+                    f"checkpoint {path} has no config.json (nor adapter_config.json)"
+                )
             return path, load_state(path)
         except CheckpointError as err:
             warn(f"skipping unusable checkpoint: {err}")

@@ -5,9 +5,10 @@ that do not report them) and the training forward, so the two agree bit for bit 
 same tensors: that is what makes the on-policy ratio exactly 1 (bapo_cli.rollout.hf).
 
 Layout: each row is prompt + response, right-padded. Response token j of row i is predicted by the
-hidden state at position len(prompt_i) + j - 1; only those positions go through the output layer
-(`gather_pos`), so the vocabulary-sized logits are [rows, response length, V], never [rows,
-prompt + response, V].
+hidden state at position len(prompt_i) + j - 1 (`gather_pos`). Only the real response tokens
+(`token_rows`, `token_cols`, listed on the host when the batch is collated, so the forward needs no
+device sync to find them) go through the output layer, and only `chunk` of them at a time
+(`bapo_cli.trainer.logprobs`): no vocabulary-sized tensor grows with the number of tokens.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import torch
 
 from bapo_cli.models.loading import autocast_to
 from bapo_cli.rollout.base import Sample
+from bapo_cli.trainer.logprobs import DEFAULT_CHUNK, chunked_logprobs
 
 Tensor = torch.Tensor
 
@@ -34,12 +36,24 @@ class MicroBatch:
     old_log_prob: Tensor  # [b, R] behaviour log-probs (0 where unknown or masked)
     versions: Tensor  # [b, R] policy version that sampled each token
     advantages: Tensor  # [b] one advantage per response
+    token_rows: Tensor  # [N] row of each real response token (row-major order)
+    token_cols: Tensor  # [N] its column in the [b, R] response layout
     old_is_current: bool = False  # behaviour log-probs are those of the weights that will train
 
     @property
     def unscored(self) -> bool:
         """No behaviour log-prob recorded for any token (scoring was deferred to the update)."""
         return all(not s.logprobs for s in self.samples)
+
+    @property
+    def padded_tokens(self) -> int:
+        """Positions the forward sees (rows × width, prompt + response, padding included)."""
+        return self.input_ids.numel()
+
+    @property
+    def real_tokens(self) -> int:
+        """Prompt + response tokens that are not padding (host count)."""
+        return sum(len(s.prompt_ids) + len(s.response_ids) for s in self.samples)
 
     @property
     def num_tokens(self) -> int:
@@ -72,6 +86,7 @@ def collate(samples: Sequence[Sample], pad_id: int, device: torch.device) -> Mic
             known = len(s.logprobs)
             if known:
                 old[i, :known] = torch.tensor(s.logprobs, dtype=torch.float32)
+    token_rows, token_cols = mask.nonzero(as_tuple=True)  # on the host: no device sync later
     return MicroBatch(
         samples=list(samples),
         input_ids=input_ids.to(device),
@@ -82,27 +97,105 @@ def collate(samples: Sequence[Sample], pad_id: int, device: torch.device) -> Mic
         old_log_prob=old.to(device),
         versions=versions.to(device),
         advantages=adv.to(device),
+        token_rows=token_rows.to(device),
+        token_cols=token_cols.to(device),
     )
 
 
+def pack_by_tokens(lengths: Sequence[int], budget: int) -> list[list[int]]:
+    """Indices of `lengths` grouped into micro-batches of at most `budget` padded tokens.
+
+    Sorted longest first (ties by index, so the split is deterministic), packed greedily: a
+    micro-batch's padded size is its row count × its longest row, and the next sample joins
+    while that stays within the budget. A sample longer than the budget gets a micro-batch of its
+    own (it cannot be split; the caller states it, it is not an error)."""
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    groups: list[list[int]] = []
+    width = 0
+    for i in order:
+        if groups and (len(groups[-1]) + 1) * width <= budget:
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+            width = max(lengths[i], 1)
+    return groups
+
+
+def split_micro(
+    samples: Sequence[Sample], *, size: int, tokens: int | None = None
+) -> list[list[Sample]]:
+    """One mini-batch's samples → micro-batches: `size` samples each in arrival order, or (with
+    `tokens`, trainer.micro_batch_tokens) sorted by length and packed under a token budget so the
+    padding share stays small with long-tailed response lengths. Scoring and training call this
+    with the same arguments, so both see the same tensors."""
+    if tokens is None:
+        return [list(samples[i : i + size]) for i in range(0, len(samples), size)]
+    lengths = [len(s.prompt_ids) + len(s.response_ids) for s in samples]
+    return [[samples[i] for i in group] for group in pack_by_tokens(lengths, tokens)]
+
+
 class ResponseLogits(torch.nn.Module):
-    """The policy as one module whose forward returns the logits at response positions.
+    """The policy as one module whose forward returns per-token log-probs (and entropy) of the
+    response tokens.
 
-    This is what DistributedDataParallel wraps (its gradient hooks need the forward to go through
-    the wrapper); a causal LM whose logits are `lm_head(hidden)` (Qwen, Llama, Mistral, ...).
-    `autocast`: run the forward in this dtype over float32 weights (mixed precision)."""
+    This is what DistributedDataParallel wraps and FSDP2 shards (their hooks need the whole
+    computation, output layer included, to run inside the wrapper's forward); a causal LM whose
+    logits are `lm_head(hidden)` (Qwen, Llama, Mistral, ...). The output layer is applied to the
+    real response tokens only, `chunk` tokens at a time (`bapo_cli.trainer.logprobs`): no
+    [tokens, V] tensor is ever held. `autocast`: run the forward in this dtype over float32
+    weights (mixed precision)."""
 
-    def __init__(self, model: torch.nn.Module, autocast: torch.dtype | None = None) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        autocast: torch.dtype | None = None,
+        chunk: int = DEFAULT_CHUNK,
+    ) -> None:
         super().__init__()
         self.model = model
         self.autocast = autocast
+        self.chunk = chunk
+        head = model.get_output_embeddings()
+        if not isinstance(getattr(head, "weight", None), torch.Tensor):
+            raise TypeError(
+                f"{type(model).__name__}: the output layer must be a linear layer with a weight "
+                f"(got {type(head).__name__}); the trainer applies it to hidden states in chunks"
+            )
 
-    def forward(self, input_ids: Tensor, attention_mask: Tensor, gather_pos: Tensor) -> Tensor:
+    def forward(
+        self,
+        input_ids: Tensor,
+        attention_mask: Tensor,
+        gather_pos: Tensor,
+        targets: Tensor,
+        rows: Tensor,
+        cols: Tensor,
+        temperature: float = 1.0,
+        entropy: bool = False,
+    ) -> tuple[Tensor, Tensor | None]:
+        """(log-probs [b, R] float32, 0 except at the real response tokens (`rows`, `cols`);
+        entropy [b, R] or None, no gradient)."""
         with autocast_to(self.autocast, input_ids.device):
             decoder = self.model.get_decoder()
             hidden = decoder(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
-            index = gather_pos.unsqueeze(-1).expand(-1, -1, hidden.shape[-1])
-            return self.model.get_output_embeddings()(hidden.gather(1, index))  # [b, R, V]
+        picked = hidden[rows, gather_pos[rows, cols]]  # [N, H]
+        head = self.model.get_output_embeddings()
+        dtype = self.autocast  # None: the weight's own dtype (float32, or bfloat16 when pure)
+        logp, ent = chunked_logprobs(
+            picked,
+            head.weight,
+            getattr(head, "bias", None),
+            targets[rows, cols],
+            temperature=temperature,
+            chunk=self.chunk,
+            compute_dtype=dtype,
+            entropy=entropy,
+        )
+        full = torch.zeros(targets.shape, dtype=torch.float32, device=targets.device)
+        out_ent = None
+        if ent is not None:
+            out_ent = full.index_put((rows, cols), ent)
+        return full.index_put((rows, cols), logp), out_ent
 
 
 def scorer_of(model: torch.nn.Module) -> torch.nn.Module:
@@ -119,21 +212,22 @@ def token_logprobs(
 ) -> tuple[Tensor, Tensor | None]:
     """log π(y_t | y_<t) of every response token, [b, R] float32 (and entropy, no grad).
 
-    `model` is a HF causal LM or its `ResponseLogits` (possibly wrapped in DDP). Logits are divided
-    by the sampling temperature, so the log-probs are those of the distribution the tokens were
-    sampled from (top-p/top-k truncation aside).
+    `model` is a HF causal LM or its `ResponseLogits` (possibly wrapped in DDP or sharded by
+    FSDP2). Logits are divided by the sampling temperature, so the log-probs are those of the
+    distribution the tokens were sampled from (top-p/top-k truncation aside). The one function
+    behind behaviour scoring, the training forward, the KL reference and pi_old recomputation.
     """
     scorer = scorer_of(model)
-    logits = scorer(mb.input_ids, mb.attention_mask, mb.gather_pos).float()  # [b, R, V]
-    if temperature > 0 and temperature != 1.0:
-        logits = logits / temperature
-    logp_all = torch.log_softmax(logits, dim=-1)
-    logp = logp_all.gather(-1, mb.targets.unsqueeze(-1)).squeeze(-1)
-    ent = None
-    if entropy:
-        with torch.no_grad():
-            ent = -(logp_all.exp() * logp_all).sum(-1)
-    return torch.where(mb.mask, logp, 0.0), ent
+    return scorer(
+        mb.input_ids,
+        mb.attention_mask,
+        mb.gather_pos,
+        mb.targets,
+        mb.token_rows,
+        mb.token_cols,
+        temperature,
+        entropy,
+    )
 
 
 @torch.no_grad()

@@ -431,7 +431,7 @@ def _optimizer(
     per_batch = REGIMES.get(cfg.staleness.regime).updates_per_batch(cfg.staleness.k)
     total_updates = cfg.trainer.max_steps * per_batch * cfg.staleness.ppo_epochs
     optimizer = torch.optim.AdamW(  # under LoRA the adapters only: the base is frozen
-        model.parameters(), lr=cfg.trainer.lr, weight_decay=cfg.trainer.weight_decay
+        lora.trainable(model), lr=cfg.trainer.lr, weight_decay=cfg.trainer.weight_decay
     )
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, _lr_lambda(cfg.trainer.warmup_steps, total_updates, cfg.trainer.lr_schedule)

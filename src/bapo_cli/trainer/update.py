@@ -172,6 +172,7 @@ def optimizer_update(
     # [non-finite losses, active tokens, *RHO_SUMS] summed over the micro-batches on the device;
     # read once after the loop (no per-micro-batch sync) and all-reduced in one call
     tally: Tensor | None = None
+    clipped_with: list[tuple[Tensor, float, float]] = []
     for i, mb in enumerate(micro):
         with ctx.no_sync(model, last=i == len(micro) - 1):
             logp, entropy = token_logprobs(model, mb, temperature, entropy=True)
@@ -202,18 +203,9 @@ def optimizer_update(
             row_t = torch.stack([_on_device(v, loss.device) for v in row])
             tally = row_t if tally is None else tally + row_t
             loss.backward()
-            c_low, c_high = float(m["c_low"]), float(m["c_high"])  # what the loss clipped with
             m["entropy"] = torch.where(mb.mask, entropy, 0.0).sum() / max(mb.num_tokens, 1)
-            quad = diagnostics.quadrant_table(
-                logp,
-                mb.old_log_prob,
-                mb.advantages,
-                mb.mask,
-                c_low=c_low,
-                c_high=c_high,
-                dual_clip=spec.params["dual_clip"],
-            )
-            m.update({f"quadrant_{k}": v for k, v in quad.items()})
+            # what the loss clipped with, for the quadrant table after the loop
+            clipped_with.append((logp.detach(), float(m["c_low"]), float(m["c_high"])))
             stale = torch.where(mb.mask, (version - mb.versions).float(), 0.0)
             m["staleness_sum"], m["staleness_max"] = stale.sum(), stale.max()
             weights.append((m, float(mb.num_tokens)))
@@ -232,6 +224,7 @@ def optimizer_update(
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     metrics = _combine(weights, tokens)
+    metrics.update(_quadrants(micro, clipped_with, spec.params["dual_clip"]))
     metrics["grad_norm"] = grad_norm
     metrics.update(zip(RHO_SUMS, rho_sums, strict=True))
     pos, neg, pos_before, neg_before = rho_sums
@@ -244,6 +237,51 @@ def optimizer_update(
     metrics["active_tokens"] = active
     metrics["no_grad"] = float(no_grad)
     return UpdateResult(metrics, skipped, tokens, no_grad)
+
+
+def _quadrants(
+    micro: Sequence[MicroBatch],
+    clipped_with: Sequence[tuple[Tensor, float, float]],
+    dual_clip: float | None,
+) -> dict[str, float]:
+    """The Entropy-Clip quadrant table of the whole update, as `diagnostics.quadrant_table` gives
+    it for one micro-batch holding the mini-batch: high/low probability split at the mean log-prob
+    of all its valid tokens, counts summed, mass shares of the whole update's mass r|A|. (Per
+    micro-batch thresholds and shares would make the table depend on the split.)"""
+    if not micro:
+        return {}
+    toks = [
+        losses.prepare_tokens(logp, mb.old_log_prob.detach(), mb.advantages, mb.mask)
+        for mb, (logp, _, _) in zip(micro, clipped_with, strict=True)
+    ]
+    lp_sum = sum(
+        torch.where(t.valid, lp, 0.0).sum()
+        for t, (lp, _, _) in zip(toks, clipped_with, strict=True)
+    )
+    threshold = lp_sum / sum(t.n_valid for t in toks).clamp(min=1)
+    counts: dict[str, Tensor] = {}
+    for mb, tok, (logp, c_low, c_high) in zip(micro, toks, clipped_with, strict=True):
+        quad = diagnostics.quadrant_table(
+            logp,
+            mb.old_log_prob,
+            mb.advantages,
+            mb.mask,
+            c_low=c_low,
+            c_high=c_high,
+            dual_clip=dual_clip,
+            threshold_log_prob=threshold,
+        )
+        mass = (tok.r * tok.adv.abs()).sum()  # the shares' denominator in this micro-batch
+        for key, value in quad.items():
+            add = value * mass if key.endswith("_mass") else value
+            counts[key] = counts[key] + add if key in counts else add
+    total = sum((tok.r * tok.adv.abs()).sum() for tok in toks)
+    total = torch.where(total > 0, total, 1.0)
+    keys = list(counts)
+    values = torch.stack(
+        [counts[k] / total if k.endswith("_mass") else counts[k] for k in keys]
+    ).tolist()  # one host read
+    return {f"quadrant_{k}": float(v) for k, v in zip(keys, values, strict=True)}
 
 
 def _on_device(value: Tensor | float, device: torch.device) -> Tensor:

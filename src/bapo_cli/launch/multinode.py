@@ -1,0 +1,179 @@
+"""Data-parallel launch over one or more machines: torchrun's command line, and a SLURM script.
+
+No new infrastructure: PyTorch's own launcher (torchrun) starts the processes on each node and
+they meet at a rendezvous; `bapo_cli.trainer.distributed` does the rest (gloo / NCCL process
+group, DDP or FSDP2), exactly as on one node.
+
+    bapo train --nproc 2 ...                                   one node, 2 processes (standalone)
+    bapo train --nnodes 2 --nproc 8 --rdzv-endpoint HEAD:29500 ...        on each of 2 nodes
+    bapo train --nnodes 2 --nproc 8 --node-rank 1 --rdzv-endpoint HEAD:29500 ...   fixed ranks
+    bapo train --nnodes 4 --nproc 8 --slurm-script job.sh ...   writes job.sh; sbatch job.sh
+
+Rendezvous: without `--node-rank` the nodes meet through torchrun's c10d rendezvous (a TCP store
+at the endpoint; the node whose address is HOST hosts it, the others connect) and are given their
+ranks in the order they join, so any node may become global rank 0 (the one that writes the run
+dir, checkpoints and MLflow; the others receive its run dir). torchrun ignores `--node-rank` with
+c10d, so `--node-rank I` selects its static rendezvous instead: node I holds global ranks
+I*G .. I*G+G-1 and node 0 must run on HOST, which then is the master address. Either way every
+node must run the same command (same overrides), and they must see the same file system for the
+run dir to be shared (only rank 0 writes into it).
+
+The SLURM script follows the recipe torchrun's and prime-rl's documentation give: one task per
+node (`srun --ntasks-per-node=1`), each a torchrun with `--nproc-per-node=G`, c10d rendezvous at
+the first node of the allocation, `--rdzv-id=$SLURM_JOB_ID`. (submitit and torchrun are not
+combined: each would start the per-GPU processes.) The script's python is the one that wrote it,
+so the nodes must see the same environment (a shared file system).
+"""
+
+from __future__ import annotations
+
+import shlex
+import sys
+from dataclasses import dataclass
+
+DEFAULT_PORT = 29500
+
+
+class LaunchError(ValueError):
+    """A launch flag that cannot work; the message names it and what is allowed."""
+
+
+@dataclass(frozen=True)
+class Topology:
+    """Where the processes run: `nnodes` machines × `nproc` processes each."""
+
+    nproc: int = 1
+    nnodes: int = 1
+    node_rank: int | None = None  # None: c10d rendezvous assigns node ranks
+    endpoint: str | None = None  # HOST:PORT of the rendezvous (multi-node)
+
+    def check(self, *, script: bool = False) -> None:
+        """One-line errors for flags that cannot work (`script`: a SLURM script is written, so
+        the endpoint and node rank come from the allocation)."""
+        if self.nproc < 1:
+            raise LaunchError(f"--nproc {self.nproc}: processes per node must be >= 1")
+        if self.nnodes < 1:
+            raise LaunchError(f"--nnodes {self.nnodes}: must be >= 1")
+        if script:
+            if self.node_rank is not None or self.endpoint is not None:
+                raise LaunchError(
+                    "--slurm-script with --node-rank / --rdzv-endpoint: the script takes both "
+                    "from the SLURM allocation; drop them"
+                )
+            return
+        if self.nnodes == 1:
+            if self.node_rank is not None or self.endpoint is not None:
+                raise LaunchError(
+                    "--node-rank / --rdzv-endpoint need --nnodes > 1 (one node rendezvous "
+                    "with itself)"
+                )
+            return
+        if self.endpoint is None:
+            raise LaunchError(
+                f"--nnodes {self.nnodes} needs --rdzv-endpoint HOST:PORT (a node all of them "
+                "reach; node 0's address with --node-rank)"
+            )
+        host_port(self.endpoint)
+        if self.node_rank is not None and not 0 <= self.node_rank < self.nnodes:
+            raise LaunchError(
+                f"--node-rank {self.node_rank}: must be within 0 .. {self.nnodes - 1} "
+                f"(--nnodes {self.nnodes})"
+            )
+
+
+def host_port(endpoint: str) -> tuple[str, int]:
+    """`HOST:PORT` → (host, port); a one-line error for anything else."""
+    host, sep, port = endpoint.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise LaunchError(f"--rdzv-endpoint {endpoint}: must be HOST:PORT (e.g. node01:29500)")
+    return host, int(port)
+
+
+def torchrun_args(topo: Topology) -> list[str]:
+    """torchrun's own flags for `topo`: standalone on one node; c10d, or static with a node
+    rank, across nodes."""
+    per_node = f"--nproc-per-node={topo.nproc}"
+    if topo.nnodes == 1:
+        return ["--standalone", per_node]
+    args = [f"--nnodes={topo.nnodes}", per_node]
+    if topo.node_rank is None:
+        return [*args, "--rdzv-backend=c10d", f"--rdzv-endpoint={topo.endpoint}"]
+    host, port = host_port(topo.endpoint or "")
+    return [
+        *args,
+        "--rdzv-backend=static",
+        f"--node-rank={topo.node_rank}",
+        f"--master-addr={host}",
+        f"--master-port={port}",
+    ]
+
+
+def torchrun_command(topo: Topology, program: list[str]) -> list[str]:
+    """The full command: this python's torchrun with `topo`'s flags, running `program`
+    (`["-m", "bapo_cli", "train", ...]` for bapo, or a script and its arguments)."""
+    return [sys.executable, "-m", "torch.distributed.run", *torchrun_args(topo), *program]
+
+
+def train_program(overrides: list[str]) -> list[str]:
+    """What each torchrun process runs: `bapo train` with the same overrides."""
+    return ["-m", "bapo_cli", "train", *overrides]
+
+
+def slurm_script(
+    topo: Topology,
+    overrides: list[str],
+    *,
+    job_name: str = "bapo-train",
+    partition: str | None = None,
+    time_limit: str | None = None,
+    port: int = DEFAULT_PORT,
+    gpus: bool = True,
+) -> str:
+    """An sbatch script: `topo.nnodes` nodes × `topo.nproc` processes (one GPU each when
+    `gpus`), one torchrun per node via srun, c10d rendezvous at the allocation's first node."""
+    headers = [
+        f"#SBATCH --job-name={job_name}",
+        f"#SBATCH --nodes={topo.nnodes}",
+        "#SBATCH --ntasks-per-node=1",
+        f"#SBATCH --output={job_name}-%j.out",
+    ]
+    if gpus:
+        headers.append(f"#SBATCH --gpus-per-node={topo.nproc}")
+    if partition:
+        headers.append(f"#SBATCH --partition={partition}")
+    if time_limit:
+        headers.append(f"#SBATCH --time={time_limit}")
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nnodes={topo.nnodes}",
+        f"--nproc-per-node={topo.nproc}",
+        "--rdzv-backend=c10d",
+        '--rdzv-endpoint="$head:' + str(port) + '"',
+        '--rdzv-id="$SLURM_JOB_ID"',
+    ]
+    quoted = [c if c.startswith("--rdzv-") and "$" in c else shlex.quote(c) for c in command]
+    program = " ".join(shlex.quote(a) for a in train_program(overrides))
+    lines = [
+        "#!/bin/bash",
+        f"# written by: bapo train --nnodes {topo.nnodes} --nproc {topo.nproc} --slurm-script "
+        "...; submit with sbatch",
+        *headers,
+        "set -euo pipefail",
+        f"cd {shlex.quote(_cwd())}",
+        "# the first node of the allocation hosts the c10d rendezvous (and the MLflow store path",
+        "# and run dirs must be on a file system every node sees)",
+        'head=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
+        "srun --ntasks-per-node=1 \\",
+        "  " + " \\\n  ".join(quoted) + " \\",
+        "  " + program,
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def _cwd() -> str:
+    import os
+
+    return os.getcwd()

@@ -1,0 +1,155 @@
+"""Micro-batches by token budget (trainer.micro_batch_tokens): the split packs well and changes
+nothing but summation order.
+
+An optimizer update over a mini-batch must not depend on how its samples are split into
+micro-batches: the loss is normalised by the mini-batch's token count, BAPO's per-update search
+(bound_scope=minibatch) sums over all micro-batches, the KL term is a sum over tokens, and every
+logged metric is combined token-weighted. The oracle is the same update on one micro-batch holding
+the whole mini-batch. (bound_scope=microbatch searches each micro-batch on its own: that one is
+split-dependent by definition, and named as the approximation it is.)
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from bapo_cli.algos.advantages import REGISTRY as ADVANTAGES
+from bapo_cli.rollout.base import Sample
+from bapo_cli.trainer.policy import (
+    ResponseLogits,
+    collate,
+    pack_by_tokens,
+    split_micro,
+    token_logprobs,
+)
+from bapo_cli.trainer.update import LossSpec, optimizer_update
+from tests.train.test_distributed import SEARCH
+
+VOCAB = 40
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    lengths=st.lists(st.integers(0, 300), min_size=0, max_size=60),
+    budget=st.integers(1, 2000),
+)
+def test_packing_covers_each_sample_once_within_the_budget(lengths, budget) -> None:
+    groups = pack_by_tokens(lengths, budget)
+    assert sorted(i for g in groups for i in g) == list(range(len(lengths)))
+    for g in groups:
+        width = max(max(lengths[i] for i in g), 1)
+        # within the budget, or one sample that alone is over it (it gets its own micro-batch)
+        assert len(g) * width <= budget or len(g) == 1
+    order = [i for g in groups for i in g]  # longest first, ties by index: deterministic
+    assert order == sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    assert pack_by_tokens(lengths, budget) == groups
+    # greedy packing is tight: a micro-batch closed only when the next sample did not fit
+    for a in groups[:-1]:
+        width = max(lengths[a[0]], 1)
+        assert (len(a) + 1) * width > budget
+
+
+def test_split_by_count_keeps_arrival_order() -> None:
+    samples = [Sample([1] * p, 0, None, [2] * r) for p, r in [(1, 5), (2, 1), (1, 9), (3, 3)]]
+    assert split_micro(samples, size=3) == [samples[:3], samples[3:]]
+    by_tokens = split_micro(samples, size=3, tokens=12)  # lengths 6, 3, 10, 6
+    assert by_tokens == [[samples[2]], [samples[0], samples[3]], [samples[1]]]
+
+
+def _model() -> torch.nn.Module:
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen2Config(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=1,
+        num_key_value_heads=1,
+        head_dim=64,
+        max_position_embeddings=128,
+        tie_word_embeddings=True,
+    )
+    return Qwen2ForCausalLM(config).float()
+
+
+def _batch(lengths: list[tuple[int, int]], seed: int) -> list[Sample]:
+    """Groups of 4 samples with the given (prompt, response) lengths; stale behaviour log-probs
+    (ratios far from 1, so clipping and BAPO's search have work to do)."""
+    g = torch.Generator().manual_seed(seed)
+    model = _model()
+    samples = []
+    for i, (p, r) in enumerate(lengths):
+        prompt = torch.randint(3, VOCAB, (p,), generator=g).tolist()
+        response = torch.randint(3, VOCAB, (r,), generator=g).tolist()
+        samples.append(Sample(prompt, i // 4, None, response, versions=[0] * r))
+    rewards = torch.rand(len(samples), generator=g).round().double()
+    adv, _ = ADVANTAGES.get("grpo")(rewards, torch.tensor([s.group for s in samples]))
+    with torch.no_grad():
+        mb = collate(samples, 0, torch.device("cpu"))
+        logp, _ = token_logprobs(model, mb, 1.0)
+    noise = 0.5 * torch.randn(logp.shape, generator=g)
+    for i, s in enumerate(samples):
+        s.advantage = float(adv[i])
+        r = len(s.response_ids)
+        s.logprobs = (logp[i, :r] + noise[i, :r]).tolist()
+    return samples
+
+
+SPECS = {
+    "ppo": LossSpec("ppo", {"dual_clip": 3.0, "agg": "token-mean", "eps": 0.2}),
+    "bapo": LossSpec("bapo", {"dual_clip": 3.0, "agg": "token-mean", **SEARCH}),
+    "bapo+kl": LossSpec("bapo", {"dual_clip": 3.0, "agg": "token-mean", **SEARCH}, kl_coef=0.1),
+    "ppo-seq-mean": LossSpec("ppo", {"dual_clip": 3.0, "agg": "seq-mean-token-mean", "eps": 0.2}),
+}
+
+
+def _update(samples: list[Sample], spec: LossSpec, tokens: int | None):
+    model = _model()
+    ref = ResponseLogits(copy.deepcopy(model).requires_grad_(False)) if spec.kl_coef else None
+    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+    micro = []
+    for part in split_micro(samples, size=len(samples), tokens=tokens):
+        mb = collate(part, 0, torch.device("cpu"))
+        mb.advantages = torch.tensor([s.advantage for s in part])
+        micro.append(mb)
+    result = optimizer_update(
+        ResponseLogits(model, chunk=7),
+        optimizer,
+        micro,
+        spec,
+        temperature=1.0,
+        grad_clip=None,
+        version=1,
+        ref_model=ref,
+    )
+    return result.metrics, [p.detach().clone() for p in model.parameters()], len(micro)
+
+
+@pytest.mark.parametrize("spec", list(SPECS), ids=list(SPECS))
+@settings(max_examples=5, deadline=None)
+@given(
+    lengths=st.lists(
+        st.tuples(st.integers(1, 6), st.integers(0, 40)), min_size=8, max_size=16
+    ).filter(lambda ls: sum(r for _, r in ls) > 0),
+    budget=st.integers(8, 200),
+    seed=st.integers(0, 1000),
+)
+def test_the_update_and_every_metric_do_not_depend_on_the_split(
+    spec, lengths, budget, seed
+) -> None:
+    samples = _batch(lengths, seed)
+    whole, whole_params, _ = _update(samples, SPECS[spec], tokens=None)
+    split, split_params, count = _update(samples, SPECS[spec], tokens=budget)
+    assert count >= 1
+    for a, b in zip(split_params, whole_params, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    assert set(split) == set(whole)
+    for key, value in whole.items():
+        assert split[key] == pytest.approx(value, rel=1e-4, abs=1e-5), key
