@@ -160,3 +160,14 @@ def test_hydra_records_of_a_run_are_owner_only(multirun: str, _output_root: Path
         assert "multirun.yaml" in names
     for mode, name in modes:
         assert mode == ("0o600" if name.endswith(".yaml") else "0o700"), (name, mode)
+
+
+def test_the_run_name_is_stored_masked(tmp_path: Path) -> None:
+    """Run names are made of free-form fields (`model.name`): `bapo-reuse4-<model.name>-s0`."""
+    from bapo_cli.tracking import MlflowTracker
+
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    tracker = MlflowTracker(uri, "bapo", run_name=f"bapo-reuse4-http://alice:{PW}@hub/m-s0")
+    tracker.close()
+    run = store.client(uri).get_run(tracker.run_id)
+    assert run.info.run_name == "bapo-reuse4-http://alice:***@hub/m-s0"

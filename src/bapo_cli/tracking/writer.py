@@ -141,7 +141,8 @@ class MlflowTracker:
             self.logged_until = max((m.step for m in history), default=-1)
         else:
             self.client, exp_id = open_experiment(uri, experiment)
-            run = self.client.create_run(exp_id, run_name=run_name, tags=redact.params(tags or {}))
+            shown = redact.text(run_name) if run_name else run_name  # made of free-form fields
+            run = self.client.create_run(exp_id, run_name=shown, tags=redact.params(tags or {}))
             self.run_id = run.info.run_id
         if run_dir is not None:
             self._recover_journal()
