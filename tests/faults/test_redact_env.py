@@ -171,3 +171,16 @@ def test_the_run_name_is_stored_masked(tmp_path: Path) -> None:
     tracker.close()
     run = store.client(uri).get_run(tracker.run_id)
     assert run.info.run_name == "bapo-reuse4-http://alice:***@hub/m-s0"
+
+
+@pytest.mark.slow
+def test_a_jobs_error_line_is_masked(_output_root: Path) -> None:
+    """The job's `error:` lines quote what failed to load, credentials included."""
+    from tests.conftest import run_bapo
+
+    result = run_bapo("train", "tracking=none", f"model.path=https://alice:{PW}@127.0.0.1:1/m")
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "error: model.path=https:/alice:***@127.0.0.1:1/m: no such directory" in result.stderr
+    assert PW not in result.stdout + result.stderr
+    (log,) = _output_root.glob("runs/*/*/train.log")
+    assert PW not in log.read_text()

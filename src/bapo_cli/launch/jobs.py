@@ -148,7 +148,8 @@ def _resume_command(run_dir: Path) -> str:
 
 
 def _error(line: str, code: int) -> None:
-    """One error line on stderr (and in the run's log file), then exit."""
+    """One error line on stderr (and in the run's log file), masked, then exit."""
+    line = redact.text(line)  # a path or URL it quotes may hold credentials
     print(line, file=sys.stderr)
     log.error(line)
     sys.exit(code)
@@ -196,9 +197,7 @@ def eval_job(cfg: DictConfig) -> float:
     try:
         results = evaluate(config, run_dir, console)
     except _user_errors() as err:
-        print(f"error: {err}", file=sys.stderr)
-        sys.exit(USAGE_EXIT_CODE)
+        _error(f"error: {err}", USAGE_EXIT_CODE)
     except EvalTrackingError as err:
-        print(f"error: {err}", file=sys.stderr)
-        sys.exit(1)
+        _error(f"error: {err}", 1)
     return float(results[config.benchmark.name][f"avg@{config.eval.n}"])

@@ -41,8 +41,8 @@ def run_grouped(checked: Any, typed: list[str], config_name: str, task: Callable
             "bapo.command": f"bapo {config_name} -m " + " ".join(typed),
         },
     )
-    shown = redact.text(cfg.uri)
-    _say(console, f"MLflow parent run {parent} in experiment {cfg.experiment!r} ({shown})")
+    shown, name = redact.text(cfg.uri), redact.text(cfg.experiment)
+    _say(console, f"MLflow parent run {parent} in experiment {name!r} ({shown})")
     argv = [
         "--multirun",
         *checked.overrides,
