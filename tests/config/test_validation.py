@@ -93,7 +93,14 @@ RULES = [
     (["model.tiny.sft_target_acc=1.5"], "model.tiny.sft_target_acc=1.5", "(0, 1)"),
     (["data.kind=dataset"], "data.path", "data.path or data.hf_id"),
     (["data.template=no-placeholder"], "data.template=no-placeholder", "{problem}"),
-    (["tracking.backend=wandb"], "tracking.backend=wandb", "mlflow, none"),
+    (["tracking.backends=[comet]"], "tracking.backends=comet", "mlflow, wandb, tensorboard"),
+    (["tracking.backends=[wandb,wandb]"], "tracking.backends", "names a backend twice"),
+    (
+        ["tracking=wandb", "tracking.wandb.mode=cloud"],
+        "tracking.wandb.mode=cloud",
+        "online, offline",
+    ),
+    (["tracking.backends=[mlflow]", "tracking.uri="], "tracking.uri", "when mlflow is on"),
     (["nosuchkey=1"], "nosuchkey", "unknown key"),
     (["algo.nosuchkey=1"], "algo.nosuchkey", "unknown key"),
 ]

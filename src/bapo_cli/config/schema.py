@@ -516,22 +516,59 @@ class RolloutConfig:
 
 # ------------------------------------------------------------------------------ tracking/paths
 
-TRACKING_BACKENDS = ("mlflow", "none")
+TRACKING_BACKENDS = ("mlflow", "wandb", "tensorboard")  # bapo_cli.tracking.BACKENDS
+WANDB_MODES = ("online", "offline")
+
+
+@dataclass
+class WandbConfig:
+    """W&B settings (used when tracking.backends has wandb); the API key comes from
+    `wandb login` or $WANDB_API_KEY, never from the config."""
+
+    project: str | None = opt(None, "W&B project; null = tracking.experiment")
+    entity: str | None = opt(None, "W&B team or user; null = your default entity")
+    mode: str | None = opt(
+        None, "online, or offline (upload later: wandb sync); null = $WANDB_MODE, else online"
+    )
+
+    def check(self) -> None:
+        if self.mode is not None:
+            _one_of("mode", self.mode, WANDB_MODES)
+
+
+@dataclass
+class TensorboardConfig:
+    """TensorBoard settings (used when tracking.backends has tensorboard)."""
+
+    log_dir: str | None = opt(None, "directory of the event files; null = <run dir>/tensorboard")
 
 
 @dataclass
 class TrackingConfig:
-    """Where numbers go: an MLflow store (local file/SQLite or a server URI)."""
+    """Where numbers go: MLflow (local SQLite or a server URI), W&B, TensorBoard, or several."""
 
-    backend: str = opt("mlflow", "mlflow, or none to log nothing")
+    backends: list[str] = opt(
+        ["mlflow"], "mlflow, wandb, tensorboard, or several ([mlflow,wandb]); [] logs nothing"
+    )
     uri: str = opt(MISSING, "MLflow tracking URI (sqlite:///..., file:..., http://host:port)")
-    experiment: str = opt("bapo", "MLflow experiment name")
-    run_name: str | None = opt(None, "MLflow run name; null = derived from the overrides")
+    experiment: str = opt("bapo", "MLflow experiment name (and the default W&B project)")
+    run_name: str | None = opt(None, "run name; null = derived from the overrides")
+    wandb: WandbConfig = field(
+        default_factory=WandbConfig, metadata={"help": "W&B project, entity and mode"}
+    )
+    tensorboard: TensorboardConfig = field(
+        default_factory=TensorboardConfig, metadata={"help": "TensorBoard event files"}
+    )
 
     def check(self) -> None:
-        _one_of("backend", self.backend, TRACKING_BACKENDS)
+        for name in self.backends:
+            _one_of("backends", name, TRACKING_BACKENDS)
+        if len(set(self.backends)) != len(self.backends):
+            raise ConfigError("backends", list(self.backends), "names a backend twice")
         if not self.experiment:
             raise ConfigError("experiment", self.experiment, "must not be empty")
+        if "mlflow" in self.backends and not self.uri:
+            raise ConfigError("uri", self.uri, "must name the MLflow store when mlflow is on")
 
 
 @dataclass
@@ -706,7 +743,7 @@ class TrainConfig:
     data: DataConfig = opt(MISSING, "training prompts")
     rollout: RolloutConfig = opt(MISSING, "generation engine and sampling")
     reward: RewardConfig = opt(MISSING, "answer grading: time limit, workers, step budget")
-    tracking: TrackingConfig = opt(MISSING, "MLflow tracking")
+    tracking: TrackingConfig = opt(MISSING, "MLflow, W&B and/or TensorBoard tracking")
     trainer: TrainerConfig = opt(MISSING, "the RL loop")
     paths: PathsConfig = opt(MISSING, "output locations")
 
@@ -757,7 +794,7 @@ class EvalRunConfig:
     )
     rollout: RolloutConfig = opt(MISSING, "generation engine (sampling comes from eval.*)")
     reward: RewardConfig = opt(MISSING, "answer grading: time limit per answer, workers")
-    tracking: TrackingConfig = opt(MISSING, "MLflow tracking")
+    tracking: TrackingConfig = opt(MISSING, "MLflow, W&B and/or TensorBoard tracking")
     eval: EvalConfig = opt(MISSING, "samples per problem and sampling")
     paths: PathsConfig = opt(MISSING, "output locations")
 

@@ -155,7 +155,7 @@ def evaluate(cfg: Any, run_dir: Path, console: Console | None = None) -> dict[st
     import transformers
 
     from bapo_cli.rollout.base import make_engine, resolve_engine_name
-    from bapo_cli.tracking import describe_failure, flatten, make_tracker, redact
+    from bapo_cli.tracking import flatten, make_tracker, start_failure
 
     console = console or Console()
     transformers.utils.logging.disable_progress_bar()
@@ -201,17 +201,14 @@ def evaluate(cfg: Any, run_dir: Path, console: Console | None = None) -> dict[st
             f.write(json.dumps(row) + "\n")
     try:  # the results are on disk already: a store that is down loses none of them
         tracker = make_tracker(
-            cfg.tracking.backend,
-            cfg.tracking.uri,
-            cfg.tracking.experiment,
+            cfg.tracking,
             run_name=cfg.tracking.run_name or f"eval-{cfg.benchmark.name}-{cfg.model.name}",
             tags={"kind": "eval", "benchmark": cfg.benchmark.name, "model": cfg.model.path},
+            run_dir=run_dir,
         )
     except Exception as err:
-        raise EvalTrackingError(
-            f"tracking: cannot start the MLflow run at {redact.text(cfg.tracking.uri)} "
-            f"({describe_failure(err)}); the results are kept in {run_dir}"
-        ) from None
+        hint = f"the results are kept in {run_dir}"
+        raise EvalTrackingError(start_failure(cfg.tracking, err, hint)) from None
     tracker.log_params(flatten(cfg))
     tracker.log_metrics(metric_keys("eval", cfg.benchmark.name, result.metrics), step=0)
     tracker.log_artifact(run_dir / "results.json")

@@ -57,9 +57,11 @@ def _table(title: str, rows: list[tuple[str, str]]) -> Table:
 
 
 def _tracking(cfg: TrainConfig | EvalRunConfig) -> str:
-    if cfg.tracking.backend == "none":
+    from bapo_cli.tracking.backends import where
+
+    if not cfg.tracking.backends:
         return "off (tracking=none)"
-    return f"{redact.text(cfg.tracking.uri)}  experiment={cfg.tracking.experiment}"
+    return "; ".join(f"{name}: {where(cfg.tracking, name)}" for name in cfg.tracking.backends)
 
 
 def train_rows(cfg: TrainConfig, run_dir: Path) -> list[tuple[str, str]]:

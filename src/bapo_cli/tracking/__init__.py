@@ -1,7 +1,11 @@
-"""MLflow, the one tracking interface: writing a run (trainer, `bapo eval`), reading runs back
-(`bapo runs`, `bapo report`) and tying a sweep's runs together. One module per job:
+"""Tracking: writing a run (trainer, `bapo eval`) to MLflow, W&B and/or TensorBoard, reading runs
+back from MLflow (`bapo runs`, `bapo report`) and tying a sweep's runs together. One module per job:
 
-- writer.py: `Tracker`, `NullTracker`, `MlflowTracker` (buffered, survives outages), `flatten`
+- backends.py: `make_tracker`, the registry of backends (`tracking.backends`), start failures
+- writer.py: `Tracker`, `NullTracker`, `BufferedTracker` (survives outages), `MlflowTracker`,
+  `flatten`
+- wandb_tracker.py, tensorboard_tracker.py: the other two backends (imported only when used)
+- fanout.py: several backends at once
 - spill.py: the on-disk journal of metrics waiting out a long outage, and the undelivered file
 - server.py: fail-fast HTTP settings, run links hidden, one masked line per store error
 - store.py: the store behind a URI, created under a file lock; experiments and artifact location
@@ -14,6 +18,7 @@ Tests that patch a module constant patch it in the module that reads it (e.g. `w
 """
 
 from bapo_cli.tracking import redact
+from bapo_cli.tracking.backends import BACKENDS, TrackerStartError, make_tracker, start_failure
 from bapo_cli.tracking.reader import RunRow, list_runs
 from bapo_cli.tracking.server import (
     FAIL_FAST_HTTP,
@@ -48,10 +53,10 @@ from bapo_cli.tracking.writer import (
     NullTracker,
     Tracker,
     flatten,
-    make_tracker,
 )
 
 __all__ = [
+    "BACKENDS",
     "FAIL_FAST_HTTP",
     "JOB_NUM_TAG",
     "MAX_PENDING_METRICS",
@@ -68,6 +73,7 @@ __all__ = [
     "NullTracker",
     "RunRow",
     "Tracker",
+    "TrackerStartError",
     "artifact_location",
     "child_runs",
     "describe_failure",
@@ -82,6 +88,7 @@ __all__ = [
     "open_experiment",
     "redact",
     "sqlite_path",
+    "start_failure",
     "start_parent_run",
     "store_exists",
 ]

@@ -112,9 +112,24 @@ def sweep_store(sweep_dir: Path) -> str:
     if not configs:
         raise ReportError(f"{sweep_dir} holds no job dirs (<job#>/.hydra/config.yaml): not a sweep")
     cfg = OmegaConf.load(configs[0])
-    if cfg.tracking.backend == "none":
+    backends = saved_backends(cfg.tracking)
+    if not backends:
         raise ReportError(f"the jobs in {sweep_dir} ran with tracking=none: nothing was logged")
+    if "mlflow" not in backends:
+        raise ReportError(
+            f"the jobs in {sweep_dir} logged to {', '.join(backends)} only "
+            f"(tracking.backends=[{','.join(backends)}]); bapo report reads MLflow: compare them "
+            "there, or log with tracking.backends=[mlflow,...] next time"
+        )
     return str(cfg.tracking.uri)
+
+
+def saved_backends(tracking_cfg: Any) -> list[str]:
+    """The backends a saved job config logged to: `backends`, or the single `backend` (mlflow
+    or none) of configs written before W&B and TensorBoard were added."""
+    if "backends" in tracking_cfg:
+        return list(tracking_cfg.backends)
+    return [] if tracking_cfg.get("backend", "mlflow") == "none" else ["mlflow"]
 
 
 def load_runs(
@@ -128,7 +143,10 @@ def load_runs(
     from bapo_cli.tracking import store
 
     if not tracking.store_exists(uri):
-        raise ReportError(f"no MLflow store at {uri}")
+        raise ReportError(
+            f"no MLflow store at {uri}; bapo report reads MLflow, so runs logged only to W&B or "
+            "TensorBoard are not there"
+        )
     client = store.client(uri)  # fail-fast HTTP: a server that is down fails in seconds
     if sweep_dir is not None:
         where = str(sweep_dir.resolve())

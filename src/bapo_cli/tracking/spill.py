@@ -20,6 +20,10 @@ A tracker that resumes the same run in the same run dir (`trainer.resume=true`) 
 journal over and delivers it first; its steps then count as logged, so the steps that training
 replays are not logged twice. A journal of another run goes to `undelivered_metrics.jsonl`.
 Not covered: a power cut (nothing is fsynced).
+
+Each backend keeps its own files (`spill_files`): MLflow the names above, W&B
+`pending_metrics.wandb.jsonl` / `.offset` and `undelivered_metrics.wandb.jsonl`, and so on, so
+two backends that are down at once never share a journal.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ import os
 import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from bapo_cli.tracking.server import describe_failure, logger
 
@@ -42,8 +46,25 @@ JOURNAL_KEYS = {"run_id", "key", "value", "step", "timestamp"}  # a record, in b
 READ_ERRORS = (OSError, ValueError, KeyError, TypeError)
 
 
+class Metric(NamedTuple):
+    """One queued metric, whatever the backend (the fields of MLflow's `Metric`)."""
+
+    key: str
+    value: float
+    timestamp: int  # ms since the epoch, when it was logged (kept through every resend)
+    step: int
+
+
+def spill_files(backend: str) -> tuple[str, str]:
+    """(journal, undelivered file) names of one backend in a run dir: MLflow's keep the names
+    they always had; every other backend's carry its name (`pending_metrics.wandb.jsonl`)."""
+    if backend == "mlflow":
+        return SPILL_FILE, UNDELIVERED_FILE
+    return f"pending_metrics.{backend}.jsonl", f"undelivered_metrics.{backend}.jsonl"
+
+
 def record(run_id: str | None, metric: Any) -> dict[str, Any]:
-    """An MLflow `Metric` as a journal line's JSON object."""
+    """A queued `Metric` as a journal line's JSON object."""
     out = {"run_id": run_id, "key": metric.key, "value": metric.value}
     out.update(step=metric.step, timestamp=metric.timestamp)
     return out
@@ -83,7 +104,8 @@ class SpillJournal:
 
     @property
     def offset_file(self) -> Path:
-        return self.path.parent / SPILL_OFFSET_FILE
+        """`pending_metrics.offset` beside `pending_metrics.jsonl` (`SPILL_OFFSET_FILE`)."""
+        return self.path.with_suffix(".offset")
 
     def start(self) -> None:
         """Make this the run dir's new journal (its first append empties any old file)."""
@@ -106,8 +128,6 @@ class SpillJournal:
     def read(self, limit: int) -> tuple[list[Any], int] | None:
         """Up to `limit` metrics from the offset, and the offset after them; None (and the
         journal set aside, with one warning) if it cannot be read."""
-        from mlflow.entities import Metric
-
         chunk: list[Any] = []
         end = self.offset
         error: BaseException = ValueError("it ends early")
@@ -134,7 +154,7 @@ class SpillJournal:
     def set_aside(self, error: BaseException) -> None:
         """Stop using a journal that cannot be read: renamed aside if it is still there (the
         metrics in memory go on), with one warning."""
-        aside = self.path.with_name(f"{SPILL_FILE}.unreadable.{int(time.time())}")
+        aside = self.path.with_name(f"{self.path.name}.unreadable.{int(time.time())}")
         try:
             self.path.replace(aside)
             where = f"moved to {aside}"
@@ -171,12 +191,14 @@ class SpillJournal:
             self.offset, self.size = 0, 0
 
     @classmethod
-    def recover(cls, run_dir: Path) -> tuple[SpillJournal, int, set[str]] | None:
-        """A journal left in the run dir by a process that crashed: (journal, its last step,
-        the run ids in it), cut to whole records; None if there is none with records (one that
-        cannot be read is set aside, with one warning)."""
-        path = Path(run_dir) / SPILL_FILE
-        offset_file = path.parent / SPILL_OFFSET_FILE
+    def recover(
+        cls, run_dir: Path, name: str = SPILL_FILE
+    ) -> tuple[SpillJournal, int, set[str]] | None:
+        """A journal (`name`) left in the run dir by a process that crashed: (journal, its last
+        step, the run ids in it), cut to whole records; None if there is none with records (one
+        that cannot be read is set aside, with one warning)."""
+        path = Path(run_dir) / name
+        offset_file = path.with_suffix(".offset")
         if not path.is_file():
             with contextlib.suppress(OSError):  # a stale one, or a run dir that cannot exist
                 offset_file.unlink(missing_ok=True)

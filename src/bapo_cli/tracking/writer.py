@@ -1,14 +1,18 @@
-"""Writing one run: the `Tracker` the trainer and `bapo eval` log through, and `MlflowTracker`,
-which keeps training going through a tracking outage.
+"""Writing one run: the `Tracker` the trainer and `bapo eval` log through; `BufferedTracker`,
+which keeps training going through a tracking outage whatever the backend; and `MlflowTracker`.
+W&B and TensorBoard (wandb_tracker.py, tensorboard_tracker.py) are `BufferedTracker`s too, so an
+outage of any of them behaves the same way.
 
-A failed `log_batch` keeps its metrics (in order, with their original timestamps) and the next
-flush sends them again; MLflow's SQL store drops exact duplicates, so a batch that did arrive
-but whose answer was lost is not logged twice. `close` keeps trying for `DELIVERY_TIMEOUT_S`,
-then writes what is left to `undelivered_metrics.jsonl` in the run dir and says how many metrics
-that is in one warning line. A long outage must not grow memory without bound either: past
-`MAX_PENDING_METRICS` queued metrics, the oldest (whole steps) move to the spill journal in the
-run dir (spill.py, which says why that is exactly-once) and are delivered from there first once
-the store answers. Without a run dir they stay in memory.
+A failed send (MLflow: `log_batch`; W&B: `run.log`; TensorBoard: the event file) keeps its
+metrics (in order, with their original timestamps) and the next flush sends them again; MLflow's
+SQL store drops exact duplicates, so a batch that did arrive but whose answer was lost is not
+logged twice. `close` keeps trying for `DELIVERY_TIMEOUT_S`, then writes what is left to
+`undelivered_metrics.jsonl` in the run dir and says how many metrics that is in one warning
+line. A long outage must not grow memory without bound either: past `MAX_PENDING_METRICS` queued
+metrics, the oldest (whole steps) move to the spill journal in the run dir (spill.py, which says
+why that is exactly-once) and are delivered from there first once the store answers. Without a
+run dir they stay in memory. Each backend has its own journal and undelivered file
+(spill.py: `spill_files`).
 
 Metric keys are namespaced with `/` (design.md: reward/mean, actor/entropy, bapo/c_low, ...).
 """
@@ -26,10 +30,10 @@ from bapo_cli.tracking import redact
 from bapo_cli.tracking.server import describe_failure, fail_fast_http, logger
 from bapo_cli.tracking.spill import (
     READ_ERRORS,
-    SPILL_FILE,
-    UNDELIVERED_FILE,
+    Metric,
     SpillJournal,
     record,
+    spill_files,
     write_undelivered,
 )
 from bapo_cli.tracking.store import open_experiment, store_lock
@@ -57,7 +61,8 @@ def flatten(tree: Any, prefix: str = "") -> dict[str, str]:
 
 
 class Tracker(Protocol):
-    """What the trainer logs through. `MlflowTracker` is real; `NullTracker` logs nothing."""
+    """What the trainer logs through: `MlflowTracker`, `WandbTracker`, `TensorBoardTracker`,
+    several at once (`FanoutTracker`), or `NullTracker`, which logs nothing."""
 
     run_id: str | None
 
@@ -91,78 +96,56 @@ class NullTracker:
         pass
 
 
-def make_tracker(backend: str, uri: str, experiment: str, **kwargs: Any) -> Tracker:
-    if backend == "none":
-        return NullTracker()
-    return MlflowTracker(uri, experiment, **kwargs)
+class BufferedTracker:
+    """Metrics queued and delivered in order, through any outage of the backend: a subclass
+    says how to send a chunk (`_send`, raises while the backend is down) and how to end the run
+    (`_end`); `backend` names it (journal files, warnings), `uri` is where it sends, as shown.
+    A subclass's `__init__` sets `run_id`, may set `logged_until` (a resume), then calls
+    `_start_buffer`."""
 
+    backend = ""
+    run_id: str | None = None
+    uri = ""
+    logged_until = -1  # steps at or below this are already in the backend (set on a resume)
 
-class MlflowTracker:
-    """One MLflow run through `MlflowClient` (no global fluent state, so several runs can live in
-    one process, as in a Hydra multirun). Metrics are buffered and sent with `log_batch` every
-    `flush_every` steps: on SQLite that was ~13x faster than one call per step."""
-
-    def __init__(
+    def _start_buffer(
         self,
-        uri: str,
-        experiment: str,
         *,
-        run_name: str | None = None,
-        run_id: str | None = None,
-        tags: dict[str, str] | None = None,
         flush_every: int = 10,
-        run_dir: Path | None = None,  # where undelivered metrics are written at close
-        delivery_timeout_s: float | None = None,  # None: DELIVERY_TIMEOUT_S
-        max_pending: int | None = None,  # metrics kept in memory; None: MAX_PENDING_METRICS
+        run_dir: Path | None = None,
+        delivery_timeout_s: float | None = None,
+        max_pending: int | None = None,
     ) -> None:
-        from mlflow.tracking import MlflowClient
-
-        fail_fast_http(uri)
         self.run_dir = run_dir
         self.delivery_timeout_s = (
             DELIVERY_TIMEOUT_S if delivery_timeout_s is None else delivery_timeout_s
         )
-        self.failed_flushes = 0  # log_batch calls that failed (the store was down)
+        self.failed_flushes = 0  # sends that failed (the backend was down)
         self._down_since: float | None = None  # monotonic time of the first failure, while down
-        self.uri = redact.text(uri)  # as shown in warnings; the client has the real one
         self.flush_every = flush_every
         self._pending: list[Any] = []  # queued metrics in memory, oldest first
         self.max_pending = MAX_PENDING_METRICS if max_pending is None else max_pending
         self._journal: SpillJournal | None = None  # while it holds undelivered metrics
         self._warned_unbounded = False
         self._steps_since_flush = 0
-        self.logged_until = -1  # steps at or below this are already in the store
-        if run_id is not None:  # resume: the same run, reopened
-            with store_lock(uri):
-                self.client = MlflowClient(tracking_uri=uri)
-                self.client.update_run(run_id, status="RUNNING")
-            self.run_id = run_id
-            history = self.client.get_metric_history(run_id, STEP_KEY)
-            self.logged_until = max((m.step for m in history), default=-1)
-        else:
-            self.client, exp_id = open_experiment(uri, experiment)
-            shown = redact.text(run_name) if run_name else run_name  # made of free-form fields
-            run = self.client.create_run(exp_id, run_name=shown, tags=redact.params(tags or {}))
-            self.run_id = run.info.run_id
+        self._spill_file, self._undelivered_file = spill_files(self.backend)
         if run_dir is not None:
             self._recover_journal()
+
+    def _send(self, chunk: list[Metric]) -> None:
+        """Deliver `chunk` (oldest first) or raise; what raised is sent again later."""
+        raise NotImplementedError
+
+    def _end(self, status: str) -> None:
+        """End the run once every metric is delivered (`status`: FINISHED, FAILED, KILLED)."""
+        raise NotImplementedError
 
     @property
     def _spilled(self) -> int:
         """Metrics in the journal (all older than any in memory)."""
         return self._journal.count if self._journal is not None else 0
 
-    def log_params(self, params: dict[str, str]) -> None:
-        from mlflow.entities import Param
-
-        shown = redact.params(params)
-        items = [Param(k, v[:MAX_PARAM_VALUE]) for k, v in shown.items()]
-        for start in range(0, len(items), MAX_BATCH_PARAMS):
-            self.client.log_batch(self.run_id, params=items[start : start + MAX_BATCH_PARAMS])
-
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
-        from mlflow.entities import Metric
-
         if step <= self.logged_until:  # replayed after a resume: the store already has it
             return
         now = int(time.time() * 1000)
@@ -195,7 +178,7 @@ class MlflowTracker:
             else:
                 chunk = self._pending[:MAX_BATCH_METRICS]
             try:
-                self.client.log_batch(self.run_id, metrics=chunk)
+                self._send(chunk)
             except Exception as exc:  # any store failure: training goes on, metrics stay queued
                 self.failed_flushes += 1
                 if self._down_since is None:
@@ -249,7 +232,7 @@ class MlflowTracker:
         n = excess
         while n < len(self._pending) and self._pending[n].step == self._pending[n - 1].step:
             n += 1
-        journal = self._journal or SpillJournal(Path(self.run_dir) / SPILL_FILE)  # type: ignore[arg-type]
+        journal = self._journal or SpillJournal(Path(self.run_dir) / self._spill_file)  # type: ignore[arg-type]
         try:
             if self._journal is None:
                 journal.start()
@@ -280,7 +263,7 @@ class MlflowTracker:
         """A journal left in the run dir by a process that crashed: taken over if it is this
         run's (a resume), else its metrics go to `undelivered_metrics.jsonl`."""
         assert self.run_dir is not None
-        found = SpillJournal.recover(self.run_dir)
+        found = SpillJournal.recover(self.run_dir, self._spill_file)
         if found is None:
             return
         self._journal, last_step, run_ids = found
@@ -294,18 +277,6 @@ class MlflowTracker:
         else:
             self._write_undelivered()
 
-    def log_text(self, text: str, artifact_file: str) -> None:
-        try:
-            self.client.log_text(self.run_id, text, artifact_file)
-        except Exception as exc:  # an artifact the store missed is not worth the training run
-            logger.warning("tracking: %s not uploaded (%s)", artifact_file, describe_failure(exc))
-
-    def log_artifact(self, path: Path, artifact_path: str | None = None) -> None:
-        try:
-            self.client.log_artifact(self.run_id, str(path), artifact_path)
-        except Exception as exc:  # the file stays in the run dir
-            logger.warning("tracking: %s not uploaded (%s)", path, describe_failure(exc))
-
     def close(self, status: str = "FINISHED") -> None:
         """Deliver what is pending and end the run, retrying a down store for a bounded time;
         what is still undelivered then goes to `<run_dir>/undelivered_metrics.jsonl` (also on
@@ -316,7 +287,7 @@ class MlflowTracker:
             while True:
                 if self._deliver():
                     try:
-                        self.client.set_terminated(self.run_id, status=status)
+                        self._end(status)
                         return
                     except Exception as exc:
                         error = exc
@@ -355,7 +326,7 @@ class MlflowTracker:
         run_dir = self.run_dir if self.run_dir is not None else journal and journal.path.parent
         where = "lost (no run dir given)"
         if run_dir and count:
-            path = Path(run_dir) / UNDELIVERED_FILE
+            path = Path(run_dir) / self._undelivered_file
             try:
                 write_undelivered(path, self._queued_records())
                 where = f"written to {path}"
@@ -378,3 +349,76 @@ class MlflowTracker:
             )
         self._pending = []
         self._journal = None
+
+
+class MlflowTracker(BufferedTracker):
+    """One MLflow run through `MlflowClient` (no global fluent state, so several runs can live in
+    one process, as in a Hydra multirun). Metrics are buffered and sent with `log_batch` every
+    `flush_every` steps: on SQLite that was ~13x faster than one call per step."""
+
+    backend = "mlflow"
+
+    def __init__(
+        self,
+        uri: str,
+        experiment: str,
+        *,
+        run_name: str | None = None,
+        run_id: str | None = None,
+        tags: dict[str, str] | None = None,
+        flush_every: int = 10,
+        run_dir: Path | None = None,  # where undelivered metrics are written at close
+        delivery_timeout_s: float | None = None,  # None: DELIVERY_TIMEOUT_S
+        max_pending: int | None = None,  # metrics kept in memory; None: MAX_PENDING_METRICS
+    ) -> None:
+        from mlflow.tracking import MlflowClient
+
+        fail_fast_http(uri)
+        self.uri = redact.text(uri)  # as shown in warnings; the client has the real one
+        if run_id is not None:  # resume: the same run, reopened
+            with store_lock(uri):
+                self.client = MlflowClient(tracking_uri=uri)
+                self.client.update_run(run_id, status="RUNNING")
+            self.run_id = run_id
+            history = self.client.get_metric_history(run_id, STEP_KEY)
+            self.logged_until = max((m.step for m in history), default=-1)
+        else:
+            self.client, exp_id = open_experiment(uri, experiment)
+            shown = redact.text(run_name) if run_name else run_name  # made of free-form fields
+            run = self.client.create_run(exp_id, run_name=shown, tags=redact.params(tags or {}))
+            self.run_id = run.info.run_id
+        self._start_buffer(
+            flush_every=flush_every,
+            run_dir=run_dir,
+            delivery_timeout_s=delivery_timeout_s,
+            max_pending=max_pending,
+        )
+
+    def log_params(self, params: dict[str, str]) -> None:
+        from mlflow.entities import Param
+
+        shown = redact.params(params)
+        items = [Param(k, v[:MAX_PARAM_VALUE]) for k, v in shown.items()]
+        for start in range(0, len(items), MAX_BATCH_PARAMS):
+            self.client.log_batch(self.run_id, params=items[start : start + MAX_BATCH_PARAMS])
+
+    def _send(self, chunk: list[Metric]) -> None:
+        from mlflow.entities import Metric as MlflowMetric
+
+        metrics = [MlflowMetric(m.key, m.value, m.timestamp, m.step) for m in chunk]
+        self.client.log_batch(self.run_id, metrics=metrics)
+
+    def _end(self, status: str) -> None:
+        self.client.set_terminated(self.run_id, status=status)
+
+    def log_text(self, text: str, artifact_file: str) -> None:
+        try:
+            self.client.log_text(self.run_id, text, artifact_file)
+        except Exception as exc:  # an artifact the store missed is not worth the training run
+            logger.warning("tracking: %s not uploaded (%s)", artifact_file, describe_failure(exc))
+
+    def log_artifact(self, path: Path, artifact_path: str | None = None) -> None:
+        try:
+            self.client.log_artifact(self.run_id, str(path), artifact_path)
+        except Exception as exc:  # the file stays in the run dir
+            logger.warning("tracking: %s not uploaded (%s)", path, describe_failure(exc))
