@@ -93,6 +93,28 @@ def _explain_omegaconf(err: Any) -> str:
     return f"{key}: {msg}"
 
 
+def _staleness_hint(value: str) -> str:
+    if not value.isdigit():
+        return ""
+    hint = f"; to set k itself: staleness.k={value}"
+    if int(value) > 1:  # reuse, the presets' regime, splits a batch into k mini-batches
+        hint += f" (reuse also needs trainer.prompts_per_step to be a multiple of {value})"
+    return hint
+
+
+OPTION_HINTS = {"staleness": _staleness_hint}
+"""Per config group: what an unknown option probably meant (`staleness=3` is a k with no preset
+file of its own, `staleness.k=3` sets it), appended to the `unknown option` line."""
+
+
+def unknown_option(group: str, value: Any, valid: list[str]) -> str:
+    """`staleness=3: unknown option; valid: 0, 1, 2, 4, 8; for k=3 ... staleness.k=3`."""
+    hint = OPTION_HINTS.get(group)
+    return f"{group}={value}: unknown option; valid: {', '.join(valid)}" + (
+        hint(str(value)) if hint else ""
+    )
+
+
 def unknown_key(key: str, schema: Any) -> ConfigError:
     """`trainer.max_stepz: unknown key in trainer; valid keys: max_steps, ...` (the valid keys
     when the schema dataclass of the enclosing node is known)."""

@@ -9,6 +9,8 @@ returns the step's counts as metrics and opens the next step with the full budge
     reward/timeouts     responses whose comparison ran out of the per-answer limit (scored 0)
     reward/errors       reward=python: responses whose reward function failed (scored 0)
     reward/over_budget  responses scored 0 unread (or cut) because the step's budget was spent
+    reward/ungradeable_frac  share of the step's responses with no answer the grader can read
+                        (math: no ``\\boxed{}``); near 1 means the model never writes that form
     perf/grade_s        seconds spent grading this step (wall time of the grading calls)
 """
 
@@ -40,6 +42,13 @@ class StepGrader:
         self._timeouts = 0
         self._over_budget = 0
         self._errors = 0
+        self._ungradeable = 0
+        self._graded = 0
+
+    @property
+    def ungradeable_frac(self) -> float:
+        """The share of this step's graded responses so far that had no readable answer."""
+        return self._ungradeable / self._graded if self._graded else 0.0
 
     def grade(
         self,
@@ -59,16 +68,21 @@ class StepGrader:
         self._timeouts += report.timeouts
         self._over_budget += report.over_budget
         self._errors += report.errors
+        self._ungradeable += report.ungradeable
+        self._graded += len(responses)
         return report.rewards()
 
     def take(self) -> dict[str, float]:
         """This step's ``reward/timeouts``, ``reward/over_budget``, ``reward/errors``,
-        ``perf/grade_s``; then a new step begins with the full budget."""
+        ``reward/ungradeable_frac``, ``perf/grade_s``; then a new step begins with the full
+        budget."""
         out = {
             "reward/timeouts": float(self._timeouts),
             "reward/over_budget": float(self._over_budget),
             "reward/errors": float(self._errors),
+            "reward/ungradeable_frac": self.ungradeable_frac,
             "perf/grade_s": self._spent,
         }
         self._spent, self._timeouts, self._over_budget, self._errors = 0.0, 0, 0, 0
+        self._ungradeable = self._graded = 0
         return out

@@ -143,6 +143,10 @@ class GradeReport:
     """reward=python: the function raised, returned a non-number or its process died: scored 0."""
     scores: list[float] | None = None
     """reward=python: the rewards themselves (None: each verdict is the reward, 1.0 or 0.0)."""
+    ungradeable: int = 0
+    """Responses with no answer the grader can read (math: no closed ``\\boxed{}``, or one over
+    `MAX_ANSWER_CHARS`): scored 0 without a comparison. All of a run's responses ungradeable is
+    the silent zero-signal case: the model never writes the form the grader reads."""
 
     def rewards(self) -> list[float]:
         """The reward of each response: ``scores``, or the verdicts as 1.0 / 0.0."""
@@ -223,8 +227,10 @@ class MathGrader:
         limit = self.timeout_s if timeout_s is None else float(timeout_s)
         results: list[bool | None] = []
         slow: dict[tuple[str, str], list[int]] = {}
+        unread = 0
         for i, (response, reference) in enumerate(zip(responses, references, strict=True)):
             answer = extract_answer(response) if isinstance(response, str) else None
+            unread += answer is None
             ref = reference_answer(reference) if isinstance(reference, str) else ""
             verdict = fast_verdict(answer, ref)
             if verdict is None:
@@ -254,7 +260,12 @@ class MathGrader:
                 budget_s,
                 counts["over_budget"],
             )
-        return GradeReport([bool(r) for r in results], counts["timeout"], counts["over_budget"])
+        return GradeReport(
+            [bool(r) for r in results],
+            counts["timeout"],
+            counts["over_budget"],
+            ungradeable=unread,
+        )
 
     def _compare_all(
         self, keys: list[tuple[str, str]], limit: float, deadline: float | None

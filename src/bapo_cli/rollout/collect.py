@@ -48,6 +48,58 @@ def by_group(samples: Sequence[Sample]) -> list[list[Sample]]:
 
 
 @dataclass
+class SignalWatch:
+    """Notices a run that is learning nothing: `patience` steps in a row whose prompt groups all
+    have equal rewards (every group-relative advantage 0, so no update moves the policy).
+
+    Such a run looks healthy (steps complete, metrics are logged) and silently trains nothing:
+    own data graded by `reward=math`, which reads only a response's last ``\\boxed{}``, scores
+    every answer of a model that never writes one 0. `observe` returns one warning, the first
+    time the streak reaches `patience` (never again in the run, so a long run is not flooded),
+    naming the likely cause (`ungradeable_frac`: no response had an answer the grader reads;
+    else every group all right or all wrong) and the fix the caller knows (`advice`).
+    """
+
+    patience: int
+    advice: str  # what to change: the config's grader, template or data, in words
+    silent_in_a_row: int = 0
+    warned: bool = False
+
+    def observe(self, batch: Sequence[Sample], ungradeable_frac: float) -> str | None:
+        """Count one step; the warning line when this step completes the first silent streak."""
+        groups = by_group(batch)
+        if any(informative(g) for g in groups) or not groups:
+            self.silent_in_a_row = 0
+            return None
+        self.silent_in_a_row += 1
+        if self.warned or self.silent_in_a_row < self.patience:
+            return None
+        self.warned = True
+        rewards = sorted({s.reward for s in batch})
+        if ungradeable_frac >= 0.5:
+            cause = f"{ungradeable_frac:.0%} of the responses had no answer the grader can read"
+            fix = self.advice
+        elif rewards[-1] <= 0:
+            cause = f"every response scored {_listed(rewards)}"
+            fix = f"the prompts may be too hard for this model, or {self.advice}"
+        else:
+            cause = f"every prompt group's responses scored alike (rewards {_listed(rewards)})"
+            fix = (
+                "the prompts are too easy or too hard for this model, or the reward does not "
+                "depend on the answer: other data, or a reward that tells answers apart"
+            )
+        return (
+            f"no learning signal for {self.silent_in_a_row} steps in a row: {cause}, so every "
+            f"advantage is 0 and no update changes the policy. Fix: {fix}"
+        )
+
+
+def _listed(values: Sequence[float], shown: int = 4) -> str:
+    text = ", ".join(f"{v:g}" for v in values[:shown])
+    return text + (", ..." if len(values) > shown else "")
+
+
+@dataclass
 class DynamicSampling:
     """DAPO's dynamic sampling (arXiv 2503.14476, Sec. 3.2): keep only prompt groups whose rewards
     are not all equal, and sample new prompts until the batch has `count` of them again.

@@ -15,6 +15,12 @@ from bapo_cli.config.schema import TrainConfig
 from bapo_cli.models import loading as models
 from bapo_cli.rewards import GradeReport, MathGrader, StepGrader
 from bapo_cli.rewards.plugin import PythonReward
+from bapo_cli.rewards.selfcheck import check_references, grading_advice
+from bapo_cli.rollout.collect import SignalWatch
+
+# Steps in a row without any learning signal before the one warning (`SignalWatch`): long enough
+# that a hard batch or two do not trigger it, short enough to come before a demo's first minute.
+SILENT_STEPS = 3
 
 
 class PromptStream:
@@ -35,7 +41,7 @@ class PromptStream:
     ) -> None:
         from functools import partial
 
-        from bapo_cli.data.datasets import build_prompt_set
+        from bapo_cli.data.datasets import SYNTHETIC, build_prompt_set
 
         self.tokenizer = tokenizer
         prompt_set = build_prompt_set(cfg.data)
@@ -66,8 +72,39 @@ class PromptStream:
         elif cfg.data.kind == "dataset":
             grade = self.math.grade_batch
         else:
-            grade = partial(_exact_batch, self.prompt_set.reward_fn)
+            answer_of = SYNTHETIC[cfg.data.kind].answer_of
+            grade = partial(_exact_batch, self.prompt_set.reward_fn, answer_of)
         self.grading = StepGrader(grade, cfg.reward.step_budget_s)
+        self.console = console
+        self.signal = SignalWatch(SILENT_STEPS, grading_advice(cfg))
+        self._check_references(cfg)
+
+    def _check_references(self, cfg: TrainConfig) -> None:
+        """Grade a sample of the dataset's own answers through this run's grader before any
+        step (`rewards.selfcheck`): refuse answers nothing could match, warn when the model
+        will likely never write the form the grader reads."""
+        from bapo_cli.data.records import DataError
+
+        def grade(responses: list[str], references: list[str], problems: list[Any]) -> Any:
+            if self.plugin is not None:
+                records = [p.as_record() for p in problems]
+                return self.plugin.grade_batch(responses, references, records, budget_s=30.0)
+            return self.math.grade_batch(responses, references, budget_s=30.0)
+
+        source = cfg.data.path or cfg.data.hf_id or cfg.data.name
+        refusal, warning = check_references(self.prompt_set.items, grade, cfg, source)
+        if refusal is not None:
+            raise DataError(refusal)
+        if warning is not None:
+            self.console.print(f"[yellow]warning: {warning}[/yellow]", soft_wrap=True)
+
+    def watch(self, batch: list[Any]) -> dict[str, float]:
+        """Count the step toward the no-signal warning (printed once, `SignalWatch`); returns
+        `reward/silent_steps`, the steps in a row so far without any learning signal."""
+        warning = self.signal.observe(batch, self.grading.ungradeable_frac)
+        if warning is not None:
+            self.console.print(f"[yellow]warning: {warning}[/yellow]", soft_wrap=True)
+        return {"reward/silent_steps": float(self.signal.silent_in_a_row)}
 
     def draw(self, count: int) -> list[Any]:
         """The next `count` prompts of this rank's share: global positions rank, rank + W, ...
@@ -92,8 +129,8 @@ class PromptStream:
         return self.grading.grade(texts, answers)
 
     def take_grading(self) -> dict[str, float]:
-        """The step's reward/timeouts, reward/over_budget, reward/errors and perf/grade_s; resets
-        the budget."""
+        """The step's reward/timeouts, reward/over_budget, reward/errors,
+        reward/ungradeable_frac and perf/grade_s; resets the budget."""
         return self.grading.take()
 
     def close(self) -> None:
@@ -109,6 +146,12 @@ class PromptStream:
         self.position = state["position"]
 
 
-def _exact_batch(reward_fn: Any, texts: Any, answers: Any, *, budget_s: Any = None) -> GradeReport:
-    """A per-sample exact-match reward (data=arith) as a batch grader: instant, no budget needed."""
-    return GradeReport([reward_fn(t, a) > 0 for t, a in zip(texts, answers, strict=True)])
+def _exact_batch(
+    reward_fn: Any, answer_of: Any, texts: Any, answers: Any, *, budget_s: Any = None
+) -> GradeReport:
+    """A per-sample exact-match reward (data=arith, pairs) as a batch grader: instant, no budget
+    needed; a response the task reads no answer from (`answer_of`: None or empty) is ungradeable."""
+    return GradeReport(
+        [reward_fn(t, a) > 0 for t, a in zip(texts, answers, strict=True)],
+        ungradeable=sum(not answer_of(t) for t in texts),
+    )
