@@ -460,6 +460,7 @@ MAX_GRADER_WORKERS = 64  # each is a Python process holding sympy (~150 MB)
 ENGINES = ("auto", "hf", "vllm")
 TIS_LEVELS = ("token", "sequence")
 TIS_MODES = ("truncate", "mask")
+SEQ_MASKS = ("none", "geo", "opsm")  # = algos.correction.SEQ_MASKS (no torch import here)
 
 
 @dataclass
@@ -493,6 +494,19 @@ class RolloutConfig:
         "sequences, tis_level=sequence) above it get weight 0 (MIS)",
     )
 
+    seq_mask: str = opt(
+        "none",
+        "off-policy sequence masking (algos/correction.py): geo = drop a sequence whose "
+        "geometric-mean pi_trainer / pi_engine is outside [1/t, t] (verl's geometric mask); "
+        "opsm = drop a negative-advantage sequence whose mean log(pi_old / pi_theta) > t "
+        "(DeepSeek-V3.2); t = rollout.seq_mask_threshold",
+    )
+    seq_mask_threshold: float | None = opt(
+        None,
+        "rollout.seq_mask's t: geo > 1 (a bound on the geometric-mean ratio), opsm > 0 (nats "
+        "per token; the paper gives none, TRL suggests 0.5 to start)",
+    )
+
     def check(self) -> None:
         _one_of("name", self.name, ENGINES)
         if self.n < 1:
@@ -512,6 +526,14 @@ class RolloutConfig:
             raise ConfigError("tis_cap", self.tis_cap, "must be >= 1 (or null to disable)")
         _one_of("tis_level", self.tis_level, TIS_LEVELS)
         _one_of("tis_mode", self.tis_mode, TIS_MODES)
+        _one_of("seq_mask", self.seq_mask, SEQ_MASKS)
+        t = self.seq_mask_threshold
+        if self.seq_mask != "none" and t is None:
+            raise ConfigError("seq_mask_threshold", t, f"required with seq_mask={self.seq_mask}")
+        if self.seq_mask == "geo" and not t > 1.0:
+            raise ConfigError("seq_mask_threshold", t, "must be > 1 with seq_mask=geo")
+        if self.seq_mask == "opsm" and not 0.0 < t < math.inf:
+            raise ConfigError("seq_mask_threshold", t, "must be a finite number > 0 with opsm")
 
 
 # ------------------------------------------------------------------------------ tracking/paths

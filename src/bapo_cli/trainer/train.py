@@ -700,6 +700,18 @@ def _prepare(
             mb, cfg.rollout.tis_cap, level=cfg.rollout.tis_level, mode=cfg.rollout.tis_mode
         )
         mb.advantages = mb.advantages[:, None] * weights
+    if cfg.rollout.seq_mask != "none":  # off-policy sequence masking: rejected sequences get 0
+        from bapo_cli.algos.correction import mask_sequences
+
+        if cfg.rollout.seq_mask == "geo":  # the engine/trainer mismatch per sequence, as TIS's
+            log_ratio = tis_weights(mb, math.inf).log()
+        elif mb.old_is_current:  # opsm on-policy: pi_old is the current policy
+            log_ratio = torch.zeros(mb.mask.shape, device=mb.mask.device)
+        else:  # opsm: pi_old (what the loss divides by) against the current weights
+            log_ratio = mb.old_log_prob - _recompute(run.scorer, mb, cfg.rollout.temperature)
+        mb.advantages, _ = mask_sequences(
+            cfg.rollout.seq_mask, cfg.rollout.seq_mask_threshold, mb.advantages, mb.mask, log_ratio
+        )
     if cfg.trainer.old_logprob == "recompute":  # the proximal policy: pi_old at first use
         cap = getattr(cfg.algo, "behav_weight_cap", None)
         if key not in recomputed:  # mb.old_log_prob still holds the behaviour log-probs here

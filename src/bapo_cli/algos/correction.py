@@ -1,0 +1,71 @@
+"""Off-policy sequence masking, beside TIS/MIS (`rollout.seq_mask`): a whole response stops
+training when its tokens, on average, come from a policy too far from the one being trained.
+Pure functions on tensors; the trainer (`trainer/train.py` `_prepare`) gives them the per-token
+log-ratio the rule reads and multiplies the advantages by the 0/1 result.
+
+    geo   (verl rollout_corr's geometric rejection, TRL's geometric mask): keep sequence i iff
+          1 / threshold <= exp(mean_t log(pi_trainer(y_t) / pi_engine(y_t))) <= threshold;
+          the engine/trainer mismatch TIS corrects, judged per sequence by its geometric mean.
+    opsm  (DeepSeek-V3.2's off-policy sequence masking; TRL's off_policy_mask_threshold): drop
+          sequence i iff A_i < 0 and mean_t log(pi_old(y_t) / pi_theta(y_t)) > threshold, the
+          mean token KL estimate between the policy that sampled it and the current one. Only
+          negative sequences: a positive one far off-policy still says what to do more of,
+          while a negative one mostly pushes down tokens the current policy no longer makes.
+
+A rejected sequence keeps its tokens in the loss's normaliser at weight 0, as this project's
+masked TIS does (`rollout.tis_mode=mask`); verl's rejection takes them out of the denominator
+instead. docs/algorithms.md says why.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+Tensor = torch.Tensor
+
+# rollout.seq_mask values; "none" = off
+SEQ_MASKS = ("none", "geo", "opsm")
+
+
+def mean_log_ratio(log_ratio: Tensor, mask: Tensor) -> Tensor:
+    """Per sequence [B]: the mean of `log_ratio` over its tokens in `mask` (0 for an empty row)."""
+    n = mask.sum(dim=-1).clamp(min=1).to(log_ratio.dtype)
+    return torch.where(mask, log_ratio, 0.0).sum(dim=-1) / n
+
+
+def geo_keep(log_ratio: Tensor, mask: Tensor, threshold: float) -> Tensor:
+    """Bool [B]: sequences whose geometric-mean ratio lies within [1/threshold, threshold]
+    (compared in log space: |mean log ratio| <= log threshold)."""
+    bound = math.log(float(threshold))
+    mean = mean_log_ratio(log_ratio, mask)
+    return (mean >= -bound) & (mean <= bound)
+
+
+def opsm_keep(log_ratio: Tensor, advantages: Tensor, mask: Tensor, threshold: float) -> Tensor:
+    """Bool [B]: DeepSeek-V3.2's rule; log_ratio = log pi_old - log pi_theta per token and
+    advantages per sequence [B] (or per token [B, T]: a sequence is negative if its first valid
+    token's advantage is)."""
+    adv = advantages if advantages.dim() == 1 else _first_valid(advantages, mask)
+    return ~((adv < 0) & (mean_log_ratio(log_ratio, mask) > float(threshold)))
+
+
+def _first_valid(values: Tensor, mask: Tensor) -> Tensor:
+    first = mask.to(torch.int64).argmax(dim=-1, keepdim=True)
+    return values.gather(-1, first).squeeze(-1)
+
+
+def mask_sequences(
+    kind: str, threshold: float, advantages: Tensor, mask: Tensor, log_ratio: Tensor
+) -> tuple[Tensor, Tensor]:
+    """(advantages with rejected sequences at 0, keep [B] bool). `advantages` is [B] or [B, T]
+    (already TIS-weighted); the result has the same shape. kind: "geo" or "opsm"."""
+    if kind == "geo":
+        keep = geo_keep(log_ratio, mask, threshold)
+    elif kind == "opsm":
+        keep = opsm_keep(log_ratio, advantages, mask, threshold)
+    else:
+        raise ValueError(f"unknown seq_mask {kind!r}; valid: {', '.join(SEQ_MASKS[1:])}")
+    weight = keep.to(advantages.dtype)
+    return advantages * (weight if advantages.dim() == 1 else weight[:, None]), keep

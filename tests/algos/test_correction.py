@@ -1,0 +1,94 @@
+"""Off-policy sequence masks (`algos.correction`, `rollout.seq_mask`) against their references
+restated here: verl's geometric rejection (`compute_rollout_rejection_mask(rollout_rs=
+"geometric")`) and TRL's `get_off_policy_mask` (DeepSeek-V3.2's OPSM), on ragged batches with an
+empty row; and the config's one-line errors."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from bapo_cli.algos import correction
+from bapo_cli.config import schema
+from bapo_cli.config.errors import ConfigError
+from tests.algos.test_rivals import rival_batch
+
+
+def verl_geometric_keep(log_ratio, response_mask, upper, lower=None):
+    """verl's geometric rejection, restated: 1 = kept, per sequence."""
+    lower = lower if lower is not None else 1.0 / upper
+    mean = (log_ratio * response_mask).sum(-1) / response_mask.sum(-1)
+    weights = torch.exp(torch.clamp(mean, min=-20.0, max=20.0))
+    return (weights >= lower) & (weights <= upper)
+
+
+def trl_off_policy_mask(advantages, per_token_logps, sampling_per_token_logps, mask, threshold):
+    """TRL's get_off_policy_mask (DeepSeek-V3.2's OPSM), restated: 1 = kept, [B, 1]."""
+    kl_div = sampling_per_token_logps - per_token_logps.detach()
+    seq_kl = (kl_div * mask).sum(dim=1, keepdim=True) / mask.sum(dim=1, keepdim=True).clamp(min=1.0)
+    return ((advantages >= 0) | (seq_kl <= threshold)).to(mask.dtype)
+
+
+@pytest.mark.parametrize("seed", range(5))
+@pytest.mark.parametrize("t", [1.05, 1.3])
+def test_geo_keeps_what_verl_keeps(seed, t):
+    log_prob, old, _, mask = rival_batch(seed, stale=0.3)
+    log_ratio = torch.where(mask, old - log_prob, 0.0)  # pi_trainer / pi_engine per token
+    keep = correction.geo_keep(log_ratio, mask, t)
+    rows = mask.any(-1)  # verl divides by the row's tokens: an empty row is NaN there
+    want = verl_geometric_keep(log_ratio[rows], mask[rows].double(), t)
+    assert torch.equal(keep[rows], want)
+    assert bool(keep[~rows].all())  # an empty row: mean 0, ratio 1, kept
+
+
+def test_geo_is_two_sided():
+    mask = torch.ones(3, 2, dtype=torch.bool)
+    log_ratio = torch.tensor([[0.1, 0.3], [-0.1, -0.3], [0.05, -0.05]]).double()
+    assert correction.geo_keep(log_ratio, mask, 1.2).tolist() == [False, False, True]
+    assert correction.geo_keep(log_ratio, mask, 1.25).tolist() == [True, True, True]
+
+
+@pytest.mark.parametrize("kind", ["mixed", "all_positive", "all_negative"])
+@pytest.mark.parametrize("seed", range(4))
+def test_opsm_keeps_what_trl_keeps(seed, kind):
+    log_prob, old, adv, mask = rival_batch(seed, kind, stale=0.5)
+    keep = correction.opsm_keep(torch.where(mask, old - log_prob, 0.0), adv, mask, 0.1)
+    want = trl_off_policy_mask(adv[:, None], log_prob, old, mask.double(), 0.1)[:, 0].bool()
+    assert torch.equal(keep, want)
+    if kind == "all_positive":
+        assert bool(keep.all())  # only negative sequences are ever dropped
+    if kind == "all_negative":
+        assert not bool(keep.all())
+
+
+def test_mask_sequences_zeroes_whole_sequences_in_either_advantage_shape():
+    log_prob, old, adv, mask = rival_batch(3, "all_negative", stale=0.5)
+    log_ratio = torch.where(mask, old - log_prob, 0.0)
+    per_seq, keep = correction.mask_sequences("opsm", 0.1, adv, mask, log_ratio)
+    per_tok, keep2 = correction.mask_sequences(
+        "opsm", 0.1, adv[:, None].expand_as(mask) * 2.0, mask, log_ratio
+    )
+    assert torch.equal(keep, keep2) and not bool(keep.all()) and bool(keep.any())
+    assert torch.equal(per_seq, torch.where(keep, adv, 0.0))
+    want = torch.where(keep[:, None], adv[:, None] * 2.0, 0.0).expand_as(mask)
+    assert torch.equal(per_tok, want)
+    with pytest.raises(ValueError, match="unknown seq_mask 'foo'; valid: geo, opsm"):
+        correction.mask_sequences("foo", 1.0, adv, mask, log_ratio)
+
+
+def test_the_config_knows_the_masks_and_refuses_bad_thresholds():
+    assert schema.SEQ_MASKS == correction.SEQ_MASKS
+    schema.RolloutConfig(seq_mask="geo", seq_mask_threshold=1.01).check()
+    schema.RolloutConfig(seq_mask="opsm", seq_mask_threshold=0.5).check()
+    bad = [
+        ({"seq_mask": "geo"}, "seq_mask_threshold: required with seq_mask=geo"),
+        ({"seq_mask": "geo", "seq_mask_threshold": 0.9}, "must be > 1 with seq_mask=geo"),
+        ({"seq_mask": "opsm", "seq_mask_threshold": math.inf}, "must be a finite number > 0"),
+        ({"seq_mask": "tis"}, "seq_mask=tis: must be one of none, geo, opsm"),
+    ]
+    for fields, message in bad:
+        with pytest.raises(ConfigError) as info:
+            schema.RolloutConfig(**fields).check()
+        assert message in info.value.line()
