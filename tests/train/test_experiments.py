@@ -77,7 +77,7 @@ def test_paper_preset_composes_validates_and_plans_as_written(tmp_path: Path) ->
     rows = dict(train_rows(cfg, tmp_path))
     assert rows["batch"] == "128 prompts × 16 = 2048 sequences"
     assert rows["steps"].startswith("500 at lr 1e-06")
-    assert rows["data"] == "deepscaler (dataset)"
+    assert rows["data"] == "agentica-org/DeepScaleR-Preview-Dataset [train] (dataset)"
 
 
 @pytest.mark.parametrize(("preset", "jobs"), [("staleness_study", 27), ("rho0_study", 9)])

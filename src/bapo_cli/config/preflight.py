@@ -23,7 +23,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from bapo_cli.config import hydra_runner, schema
-from bapo_cli.config.errors import ConfigError, explain, unknown_key
+from bapo_cli.config.errors import ConfigError, explain, unknown_key, unknown_option
 
 PLUGIN_GROUPS = {"hydra/launcher": "sweep or slurm", "hydra/sweeper": "sweep"}
 
@@ -97,7 +97,7 @@ def check_group_choices(overrides: list[str]) -> None:
             if value is None and group == "experiment":
                 continue
             if str(value) not in valid:
-                raise PreflightError(f"{group}={value}: unknown option; valid: {', '.join(valid)}")
+                raise PreflightError(unknown_option(group, value, valid))
 
 
 def glob_options(override: Any) -> list[str]:

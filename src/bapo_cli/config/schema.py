@@ -6,7 +6,7 @@ cross-group rules live in each dataclass's `check()`, next to the fields they gu
 walks a config and prefixes the dotted key, so every failure reads as one line such as
 `algo.rho0=1.5: must be within [0, 1]`.
 
-Each field's `help` is the only documentation of that option: `bapo config --help` and the README
+Each field's `help` is the only documentation of that option: `bapo config --docs` and the README
 point here, and a test checks that no field is undocumented.
 
 The `algo` group has one schema per registered loss, `_<loss>_schema`, generated from the loss

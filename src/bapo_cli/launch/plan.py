@@ -45,6 +45,16 @@ def describe_staleness(k: int, regime: str, epochs: int) -> str:
     return REGIMES.get(regime).describe(k, epochs)
 
 
+def describe_data(data: object) -> str:
+    """The prompt source: a synthetic preset by name; a dataset by the file or hub id it reads
+    (`data.path` wins over `data.hf_id`), never by the preset name it may have been composed
+    over (`data.kind=dataset data.path=mine.jsonl` on the default `data=arith`)."""
+    if data.kind != "dataset":
+        return f"{data.name} ({data.kind})"
+    source = data.path if data.path else f"{data.hf_id} [{data.split}]"
+    return f"{source} (dataset)"
+
+
 def _table(title: str, rows: list[tuple[str, str]]) -> Table:
     table = Table(title=title, show_header=False, title_justify="left")
     table.add_column(style="bold cyan")
@@ -76,7 +86,7 @@ def train_rows(cfg: TrainConfig, run_dir: Path) -> list[tuple[str, str]]:
             "staleness",
             describe_staleness(cfg.staleness.k, cfg.staleness.regime, cfg.staleness.ppo_epochs),
         ),
-        ("data", f"{cfg.data.name} ({cfg.data.kind})"),
+        ("data", describe_data(cfg.data)),
         ("rollout", f"{engine} ({why}); n={cfg.rollout.n} T={cfg.rollout.temperature:g}"),
         ("batch", f"{cfg.trainer.prompts_per_step} prompts × {cfg.rollout.n} = {seqs} sequences"),
         ("steps", f"{cfg.trainer.max_steps} at lr {cfg.trainer.lr:g}, seed {cfg.trainer.seed}"),
