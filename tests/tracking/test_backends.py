@@ -52,6 +52,7 @@ def _wandb_core_pids() -> list[int]:
     return pids
 
 
+@pytest.mark.slow
 def test_wandb_service_gone_mid_run_the_run_goes_on_and_the_rest_is_listed(
     tmp_path, caplog
 ) -> None:
@@ -162,6 +163,7 @@ def test_a_resumed_tensorboard_run_does_not_log_its_steps_twice(tmp_path) -> Non
     assert [s for s, _ in tb_scalars(log_dir)["reward/mean"]] == [1, 2, 3, 4]
 
 
+@pytest.mark.slow
 def test_wandb_that_cannot_start_stops_the_run_in_one_line_and_fails_mlflow_s(
     tmp_path, monkeypatch
 ) -> None:
@@ -183,6 +185,7 @@ def test_wandb_that_cannot_start_stops_the_run_in_one_line_and_fails_mlflow_s(
     assert run.info.status == "FAILED"
 
 
+@pytest.mark.slow
 def test_neither_library_is_imported_by_help_or_an_mlflow_run(tmp_path) -> None:
     """`import wandb` costs about a second: `bapo --help` and MLflow-only tracking never pay it."""
     code = textwrap.dedent(

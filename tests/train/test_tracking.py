@@ -94,6 +94,7 @@ def _mlflow_histories(client: MlflowClient, run_id: str) -> dict[int, dict[str, 
     return rows
 
 
+@pytest.mark.slow  # the W&B SDK starts its own process
 def test_wandb_and_tensorboard_get_what_mlflow_gets(tmp_path, monkeypatch) -> None:
     """One run logging to all three: the same params (masked), the same metrics at the same
     steps, the same config.yaml and samples; W&B's run takes the MLflow run's id."""
@@ -143,6 +144,7 @@ def test_wandb_and_tensorboard_get_what_mlflow_gets(tmp_path, monkeypatch) -> No
     assert (log_dir / "samples.jsonl").read_text() == samples
 
 
+@pytest.mark.slow  # the W&B SDK starts its own process
 def test_a_secret_on_the_command_line_reaches_neither_wandb_nor_tensorboard(
     tmp_path, monkeypatch
 ) -> None:
