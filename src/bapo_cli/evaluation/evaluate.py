@@ -30,6 +30,7 @@ from rich.table import Table
 from bapo_cli.data.records import DataError, load_records
 from bapo_cli.data.tasks import Problem
 from bapo_cli.evaluation import metrics as eval_metrics
+from bapo_cli.models import hub
 from bapo_cli.models import loading as models
 from bapo_cli.rewards import GradeReport, MathGrader, extract_answer, grade_batch
 from bapo_cli.rollout.base import Request, SamplingParams
@@ -69,14 +70,39 @@ class BenchmarkResult:
 
 
 def load_problems(bench: Any, limit: int | None = None) -> tuple[list[Problem], int]:
-    """(problems, rows skipped) of a BenchmarkConfig, the first `limit` if given."""
-    records = load_records(
-        path=bench.path,
-        hf_id=bench.hf_id,
-        split=bench.split,
-        config_name=bench.hf_config,
-        fields={"id": bench.id_field, "problem": bench.problem_field, "answer": bench.answer_field},
-    )
+    """(problems, rows skipped) of a BenchmarkConfig, the first `limit` if given.
+
+    By hub id with the hub out of reach (models.hub), only the HF cache is tried and the error
+    says how to pass a local file, at once instead of after a minute of retries."""
+    by_hub = not (bench.path is not None and str(bench.path)) and bench.hf_id
+    offline = hub.go_offline_if_unreachable() if by_hub else None
+    try:
+        records = load_records(
+            path=bench.path,
+            hf_id=bench.hf_id,
+            split=bench.split,
+            config_name=bench.hf_config,
+            fields={
+                "id": bench.id_field,
+                "problem": bench.problem_field,
+                "answer": bench.answer_field,
+            },
+        )
+    except DataError:
+        if offline is None:
+            raise
+        from bapo_cli.data import shipped
+
+        ships = (
+            f" (or the copy that ships: benchmark.path=shipped:{bench.name})"
+            if bench.name in shipped.names()
+            else ""
+        )
+        raise DataError(
+            f"benchmark {bench.name}: HF dataset {bench.hf_id} is not in the HF cache and the HF "
+            f"hub cannot be used ({offline}); pass a local file: benchmark.path=/path/to/"
+            f"{bench.name}.jsonl{ships}"
+        ) from None
     pairs = list(zip(records.rows, records.originals, strict=True))[:limit]
     problems = [Problem(str(r["id"]), r["problem"], r["answer"], record=o) for r, o in pairs]
     return problems, records.skipped

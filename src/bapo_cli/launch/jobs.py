@@ -165,6 +165,10 @@ def train_job(cfg: DictConfig) -> float:
     config = _validated(cfg)
     run_dir = _run_dir()
     _share_cores()
+    if config.data.kind == "dataset" and config.data.hf_id and not config.data.path:
+        from bapo_cli.models import hub
+
+        hub.go_offline_if_unreachable()  # no network: the HF cache or one error line, no retries
     console = LoggedConsole()
     plan.show("bapo train", plan.train_rows(config, run_dir), console)
     try:

@@ -187,8 +187,23 @@ def _looks_local(path: str) -> bool:
 
 
 def _load_hub(hf_id: str, device: torch.device, dtype: torch.dtype, *, trust_remote_code: bool):
-    what = "no local directory of that name, and the HF hub id could not be loaded"
-    return _from_pretrained(hf_id, device, dtype, trust_remote_code, what)
+    """By hub id, through the HF cache. With the hub out of reach (models.hub: HF_HUB_OFFLINE,
+    or no connection within seconds) only the cache is tried, and the error says how to pass a
+    local directory instead of retrying for a minute."""
+    from bapo_cli.models import hub
+
+    offline = hub.go_offline_if_unreachable()
+    if offline is None:
+        what = "no local directory of that name, and the HF hub id could not be loaded"
+        return _from_pretrained(hf_id, device, dtype, trust_remote_code, what)
+    try:
+        return _from_pretrained(hf_id, device, dtype, trust_remote_code, "")
+    except ModelLoadError:
+        raise ModelLoadError(
+            f"model.path={hf_id}: not a local directory and not in the HF cache, and the HF hub "
+            f"cannot be used ({offline}); pass a local directory: model.path=/path/to/model "
+            f"(on a machine with a network: hf download {hf_id} --local-dir /path/to/model)"
+        ) from None
 
 
 def _from_pretrained(
