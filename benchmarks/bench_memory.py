@@ -63,20 +63,28 @@ def _peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def _model(vocab: int, hidden: int, layers: int, device, dtype):
+# --shape 1.5b: Qwen2.5-1.5B's (hidden, layers, heads, kv heads, intermediate; tied embeddings)
+SHAPE_1P5B = (1536, 28, 12, 2, 8960)
+
+
+def _model(spec: dict, device, dtype):
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
+    vocab, hidden, layers = spec["vocab"], spec["hidden"], spec["layers"]
+    heads, kv, inter = max(hidden // 64, 1), 1, hidden * 4
+    if spec.get("shape") == "1.5b":
+        hidden, layers, heads, kv, inter = SHAPE_1P5B
     config = Qwen2Config(
         vocab_size=vocab,
         hidden_size=hidden,
-        intermediate_size=hidden * 4,
+        intermediate_size=inter,
         num_hidden_layers=layers,
-        num_attention_heads=max(hidden // 64, 1),
-        num_key_value_heads=1,
-        head_dim=64,
+        num_attention_heads=heads,
+        num_key_value_heads=kv,
+        head_dim=hidden // heads if spec.get("shape") == "1.5b" else 64,
         max_position_embeddings=32_768,
-        tie_word_embeddings=False,
+        tie_word_embeddings=spec.get("shape") == "1.5b",
     )
     torch.manual_seed(0)
     with torch.device(device):
@@ -157,7 +165,9 @@ def child(spec: dict) -> dict:
     torch.set_num_threads(spec["threads"])
     device = torch.device(spec["device"])
     dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
-    model = _model(spec["vocab"], spec["hidden"], spec["layers"], device, torch.float32)
+    model = _model(spec, device, torch.float32)
+    if spec.get("grad_ckpt"):
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     autocast = None if dtype == torch.float32 else dtype
     if spec["path"] == "new":
         scorer = ResponseLogits(model, autocast, chunk=spec["chunk"])
@@ -199,7 +209,31 @@ def child(spec: dict) -> dict:
     else:
         added = _peak_rss_mib() - before
     tokens = sum(spec["lengths"])
-    return {**layout, "added_mib": added, "seconds": seconds, "tokens": tokens}
+    return {
+        **layout,
+        "added_mib": added,
+        "seconds": seconds,
+        "tokens": tokens,
+        "flops": _model_flops(model, spec, samples),
+    }
+
+
+def _model_flops(model, spec: dict, samples) -> float:
+    """Model FLOPs of one forward + backward (MFU's numerator; recomputation not counted):
+    6 · N_body · T_all (every weight but the embeddings, over prompt + response tokens)
+    + 6 · V · H · T_resp (the output layer, applied to response tokens only)
+    + 6 · L · H · S · T_all (causal attention scores and values, S the sequence length)."""
+    cfg = model.config
+    v, h, layers = cfg.vocab_size, cfg.hidden_size, cfg.num_hidden_layers
+    embed = v * h
+    body = sum(p.numel() for p in model.parameters()) - embed * (
+        1 if cfg.tie_word_embeddings else 2
+    )
+    flops = 0.0
+    for s in samples:
+        seq = len(s.prompt_ids) + len(s.response_ids)
+        flops += 6 * body * seq + 6 * v * h * len(s.response_ids) + 6 * layers * h * seq * seq
+    return flops
 
 
 def run_child(spec: dict) -> dict:
@@ -232,15 +266,24 @@ def _base(args) -> dict:
         "chunk": args.chunk,
         "micro_size": 10**9,
         "micro_tokens": None,
+        "shape": args.shape,
+        "grad_ckpt": args.grad_ckpt,
     }
 
 
 def length_table(args, console: Console) -> None:
     table = Table(
         title=f"one update: {args.responses} responses of each length, vocabulary {args.vocab}, "
-        f"hidden {args.hidden}, {args.layers} layers, {args.device} ({args.threads} threads)"
+        + (
+            "Qwen2.5-1.5B shape"
+            if args.shape == "1.5b"
+            else f"hidden {args.hidden}, {args.layers} layers"
+        )
+        + f", {args.device} ({args.threads} threads)"
     )
-    cols = ("response tokens", "path", "memory added MiB", "KB / extra token", "update s")
+    cols = ["response tokens", "path", "memory added MiB", "KB / extra token", "update s"]
+    if args.device == "cuda":
+        cols += ["tokens/s", f"MFU (of {args.peak_tflops:g} TFLOP/s)"]
     for col in cols:
         table.add_column(col, justify="right")
     paths = ["old", "trl", "new"] if args.trl else ["old", "new"]
@@ -261,9 +304,11 @@ def length_table(args, console: Console) -> None:
                 t0, m0 = previous[path]
                 slope = f"{(r['added_mib'] - m0) * 1024 / (tokens - t0):,.1f}"
             previous[path] = (tokens, r["added_mib"])
-            table.add_row(
-                f"{tokens:,}", path, f"{r['added_mib']:,.0f}", slope, f"{r['seconds']:.2f}"
-            )
+            row = [f"{tokens:,}", path, f"{r['added_mib']:,.0f}", slope, f"{r['seconds']:.2f}"]
+            if args.device == "cuda":
+                mfu = r["flops"] / r["seconds"] / (args.peak_tflops * 1e12)
+                row += [f"{tokens / r['seconds']:,.0f}", f"{mfu:.1%}"]
+            table.add_row(*row)
         table.add_section()
     console.print(table)
     console.print(f"load average during the table: {_load()}")
@@ -355,6 +400,19 @@ def main() -> None:
     p.add_argument("--mix-vocab", type=int, default=32_768)
     p.add_argument("--chunks", type=_ints, default=_ints("64,128,256,512,1024"))
     p.add_argument("--chunk-length", type=int, default=1024)
+    p.add_argument(
+        "--shape",
+        choices=["test", "1.5b"],
+        default="test",
+        help="test: --hidden/--layers; 1.5b: Qwen2.5-1.5B's shape (for a GPU)",
+    )
+    p.add_argument("--grad-ckpt", action="store_true", help="gradient checkpointing")
+    p.add_argument(
+        "--peak-tflops",
+        type=float,
+        default=989.0,
+        help="the device's dense bf16 peak for MFU (H200/H100 SXM: 989)",
+    )
     args = p.parse_args()
     if args.child:
         print(json.dumps(child(json.loads(args.child))))

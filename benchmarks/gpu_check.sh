@@ -2,7 +2,8 @@
 # The GPU checks, as one short script for a lent CUDA machine with PyTorch + transformers but no
 # internet and no vLLM: the loss speed, `bapo train` on CUDA (one process in mixed and pure
 # precision, DDP and FSDP2 on NCCL), an FSDP2 checkpoint + resume, and one optimizer update on a
-# 0.5B-shaped model (mixed vs pure bf16 vs FSDP2; PPO vs BAPO).
+# 0.5B-shaped model (mixed vs pure bf16 vs FSDP2; PPO vs BAPO), and one update of a 1.5B-shaped
+# model on 8 x 4096 response tokens with full-vocabulary logits vs chunked log-probs.
 #
 # Needs beside the repo: .gpu/whl/*.whl (hydra-core, omegaconf, antlr4 4.9.3, math-verify,
 # latex2sympy2_extended: pure-Python wheels) and .gpu/cache (the tiny model, BAPO_CACHE_DIR).
@@ -65,4 +66,8 @@ step "one optimizer update, Qwen2 0.5B shape, FSDP2 (NCCL, 1 rank), fp32 master 
 timeout 200 python3 -m torch.distributed.run --standalone --nproc_per_node 1 \
     benchmarks/bench_update.py --shape 0.5b --strategy fsdp2 --repeats 3 2>&1 \
     | tee "$OUT/update_fsdp2.txt"
+step "one update, Qwen2.5-1.5B shape, 8 responses x 4096 tokens, bf16 autocast: full-vocabulary logits vs chunked log-probs (issue 26)"
+timeout 200 python3 benchmarks/bench_memory.py --device cuda --shape 1.5b --grad-ckpt --no-trl \
+    --only length --responses 8 --lengths 4096 --old-max 32768 --threads 8 2>&1 \
+    | tee "$OUT/memory_1p5b.txt"
 step "done"
