@@ -195,6 +195,7 @@ def train(
             return
         program = multinode.train_program(list(overrides or []))
         raise typer.Exit(subprocess.call(multinode.torchrun_command(topo, program)))
+            slurm_script.chmod(0o700)  # its overrides may hold credentials (tracking.uri)
     try:
         _launch("train", overrides, multirun, jobs.train_job)
     except KeyboardInterrupt:  # Ctrl-C: the trainer saved, closed and said how to resume

@@ -1,6 +1,6 @@
 """LoRA in the real loop (tiny model, hf engine): only the adapters train and are optimised,
 checkpoints hold the adapter, resume continues like an unbroken run, `bapo merge-lora` writes a
-plain model equal to the adapted one, and DDP trains the adapters on two ranks."""
+plain model equal to the adapted one. (DDP with LoRA: tests/train/test_multinode.py.)"""
 
 from __future__ import annotations
 
@@ -84,26 +84,6 @@ def test_resume_continues_like_an_unbroken_run_and_merge_lora_writes_a_plain_mod
         assert n == m and torch.equal(p, q), n
     refused = run_bapo("merge-lora", str(out), str(tmp_path / "again"))
     assert refused.returncode == 2 and "not a LoRA checkpoint" in refused.stderr
-
-
-@pytest.mark.slow
-def test_lora_trains_data_parallel_on_two_ranks(tmp_path: Path) -> None:
-    run_dir = tmp_path / "run"
-    result = run_bapo(
-        "train",
-        "--nproc",
-        "2",
-        "experiment=smoke",
-        *LORA,
-        f"hydra.run.dir={run_dir}",
-        env={"OMP_NUM_THREADS": "1"},
-        timeout=600,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    state = checkpoint.load_state(run_dir / "checkpoints" / "step_000002")
-    assert len(state["ranks"]) == 2
-    adapter = load_file(run_dir / "checkpoints" / "step_000002" / "adapter_model.safetensors")
-    assert len(state["optimizer"]["param_groups"][0]["params"]) == len(adapter)
 
 
 def test_lora_with_the_async_worker_is_refused_in_one_line(tmp_path: Path) -> None:

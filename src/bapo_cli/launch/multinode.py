@@ -143,17 +143,13 @@ def slurm_script(
         headers.append(f"#SBATCH --partition={partition}")
     if time_limit:
         headers.append(f"#SBATCH --time={time_limit}")
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
+    flags = [
         f"--nnodes={topo.nnodes}",
         f"--nproc-per-node={topo.nproc}",
         "--rdzv-backend=c10d",
-        '--rdzv-endpoint="$head:' + str(port) + '"',
+        f'--rdzv-endpoint="$head:{port}"',  # expanded by bash on the node
         '--rdzv-id="$SLURM_JOB_ID"',
     ]
-    quoted = [c if c.startswith("--rdzv-") and "$" in c else shlex.quote(c) for c in command]
     program = " ".join(shlex.quote(a) for a in train_program(overrides))
     lines = [
         "#!/bin/bash",
@@ -165,8 +161,8 @@ def slurm_script(
         "# the first node of the allocation hosts the c10d rendezvous (and the MLflow store path",
         "# and run dirs must be on a file system every node sees)",
         'head=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
-        "srun --ntasks-per-node=1 \\",
-        "  " + " \\\n  ".join(quoted) + " \\",
+        f"srun --ntasks-per-node=1 {shlex.quote(sys.executable)} -m torch.distributed.run \\",
+        *(f"  {flag} \\" for flag in flags),
         "  " + program,
         "",
     ]
