@@ -89,6 +89,10 @@ def _launch(config_name: str, overrides: list[str] | None, multirun: bool, task)
         # under torchrun only rank 0 keeps a run dir; the trainer hands it to the other ranks
         scratch = Path(tempfile.gettempdir()) / f"bapo-rank{rank}-{os.getpid()}"
         checked.overrides.extend([f"hydra.run.dir={scratch}", "hydra.output_subdir=null"])
+    elif rank > 0:
+        # a named run dir is rank 0's: another rank writing `.hydra/` there could make rank 0's
+        # check (`_claim_output_dir`) take this very run for an earlier one
+        checked.overrides.append("hydra.output_subdir=null")
     _claim_output_dir(checked, multirun)
     if multirun:
         jobs = "a sampled number of" if checked.num_jobs is None else str(checked.num_jobs)
@@ -195,7 +199,6 @@ def train(
             return
         program = multinode.train_program(list(overrides or []))
         raise typer.Exit(subprocess.call(multinode.torchrun_command(topo, program)))
-            slurm_script.chmod(0o700)  # its overrides may hold credentials (tracking.uri)
     try:
         _launch("train", overrides, multirun, jobs.train_job)
     except KeyboardInterrupt:  # Ctrl-C: the trainer saved, closed and said how to resume
