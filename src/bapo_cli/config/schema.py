@@ -540,6 +540,15 @@ class RolloutConfig:
 
 TRACKING_BACKENDS = ("mlflow", "wandb", "tensorboard")  # bapo_cli.tracking.BACKENDS
 WANDB_MODES = ("online", "offline")
+# backends whose library comes with the `trackers` extra, and the module each needs
+EXTRA_TRACKERS = {"wandb": "wandb", "tensorboard": "tensorboard"}
+
+
+def _installed(module: str) -> bool:
+    """Whether `module` can be imported, without importing it (`import wandb` takes a second)."""
+    import importlib.util
+
+    return importlib.util.find_spec(module) is not None
 
 
 @dataclass
@@ -585,6 +594,10 @@ class TrackingConfig:
     def check(self) -> None:
         for name in self.backends:
             _one_of("backends", name, TRACKING_BACKENDS)
+            if name in EXTRA_TRACKERS and not _installed(EXTRA_TRACKERS[name]):
+                raise ConfigError(
+                    "backends", name, "is not installed: pip install 'bapo-cli[trackers]'"
+                )
         if len(set(self.backends)) != len(self.backends):
             raise ConfigError("backends", list(self.backends), "names a backend twice")
         if not self.experiment:
