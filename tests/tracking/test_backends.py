@@ -230,3 +230,24 @@ def test_report_on_a_sweep_without_mlflow_says_so_in_one_line(tmp_path) -> None:
     assert sweep_store(job("  backend: mlflow\n  uri: sqlite:///z.db\n")) == "sqlite:///z.db"
     with pytest.raises(ReportError, match="ran with tracking=none"):
         sweep_store(job("  backend: none\n  uri: ''\n"))
+
+
+def test_a_backend_that_is_not_installed_is_refused_before_the_run_in_one_line() -> None:
+    """Without the `trackers` extra (here: `wandb` blocked in sys.modules, as if absent) the
+    config check says what to install, before any model is loaded."""
+    code = textwrap.dedent(
+        """
+        import sys
+        sys.modules["wandb"] = None  # import wandb now fails, find_spec says it is not there
+        from bapo_cli.config.preflight import PreflightError, preflight
+        try:
+            preflight("train", ["tracking.backends=[mlflow,wandb]"])
+        except PreflightError as err:
+            print(err)
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == (
+        "tracking.backends=wandb: is not installed: pip install 'bapo-cli[trackers]'"
+    )
