@@ -25,13 +25,13 @@ def _configs(jobs: list[list[str]]) -> list:
     return [to_validated(hydra_runner.compose("train", job)) for job in jobs]
 
 
-ALGOS = ["bapo", "bapo_recipe", "cispo", "clip_higher", "dapo", "drgrpo", "grpo", "gspo", "ppo"]
-ALGOS.append("sapo")
+ALGOS = ["bapo", "bapo_recipe", "ce_gppo", "cispo", "clip_cov", "clip_higher", "dapo", "dppo_kl"]
+ALGOS += ["dppo_tv", "drgrpo", "grpo", "gspo", "kl_cov", "m2po", "ppo", "sapo"]
 
 
 def test_algo_glob_is_every_algo_in_hydras_order() -> None:
     checked = _sweep("algo=glob(*)")
-    assert checked.num_jobs == 10
+    assert checked.num_jobs == 16
     assert "algo=" + ",".join(ALGOS) in checked.overrides  # what Hydra is handed
     assert _values(checked.jobs, "algo") == ALGOS
     configs = _configs(checked.jobs)
@@ -39,12 +39,18 @@ def test_algo_glob_is_every_algo_in_hydras_order() -> None:
     assert [c.algo.loss for c in configs] == [
         "bapo",
         "bapo",
+        "ce_gppo",
         "cispo",
+        "clip_cov",
         "clip_higher",
         "clip_higher",
+        "dppo_kl",
+        "dppo_tv",
         "ppo",
         "ppo",
         "gspo",
+        "kl_cov",
+        "m2po",
         "ppo",
         "sapo",
     ]
@@ -54,10 +60,13 @@ def test_algo_glob_is_every_algo_in_hydras_order() -> None:
 @pytest.mark.parametrize(
     ("glob", "expected"),
     [
-        ("glob(*,exclude=*po)", ["bapo_recipe", "clip_higher"]),
-        ("glob(*,exclude=[*_*,*s*])", ["bapo", "dapo", "drgrpo", "grpo", "ppo"]),
+        (
+            "glob(*,exclude=*po)",
+            ["bapo_recipe", "clip_cov", "clip_higher", "dppo_kl", "dppo_tv", "kl_cov"],
+        ),
+        ("glob(*,exclude=[*_*,*s*])", ["bapo", "dapo", "drgrpo", "grpo", "m2po", "ppo"]),
         ("glob([bapo,grpo])", ["bapo", "grpo"]),
-        ("glob(include=c*)", ["cispo", "clip_higher"]),
+        ("glob(include=c*)", ["ce_gppo", "cispo", "clip_cov", "clip_higher"]),
         ("glob(*r*,exclude=bapo*)", ["clip_higher", "drgrpo", "grpo"]),
     ],
 )
@@ -104,15 +113,15 @@ def test_globs_combine_with_other_sweeps_outer_first() -> None:
 
 
 def test_a_glob_with_an_invalid_job_is_refused_naming_the_job() -> None:
-    # rho0 exists only in bapo's schema (bapo, bapo_recipe): job 2 (cispo) is the first it breaks
+    # rho0 exists only in bapo's schema (bapo, bapo_recipe): job 2 (ce_gppo) is the first it breaks
     with pytest.raises(PreflightError) as info:
         _sweep("algo=glob(*)", "algo.rho0=0.3")
     line = str(info.value)
-    assert line.startswith("job 2 (algo=cispo): algo.rho0: unknown key in algo; valid keys:")
+    assert line.startswith("job 2 (algo=ce_gppo): algo.rho0: unknown key in algo; valid keys:")
     assert "\n" not in line
     with pytest.raises(PreflightError) as info:
         _sweep("algo=glob(*,exclude=bapo*)", "algo.rho0=0.3")
-    assert str(info.value).startswith("job 0 (algo=cispo): algo.rho0: unknown key")
+    assert str(info.value).startswith("job 0 (algo=ce_gppo): algo.rho0: unknown key")
 
 
 def test_errors_that_name_their_swept_value_are_unchanged() -> None:
@@ -153,7 +162,8 @@ def test_hydras_own_glob_would_also_list_the_schemas() -> None:
     """Why the CLI hands Hydra an explicit list: Hydra expands a glob against its config loader,
     which lists the ConfigStore schemas of the group too."""
     jobs = hydra_runner.expand_sweep(["algo=glob(*)"])
-    losses = ["bapo", "cispo", "clip_higher", "gspo", "ppo", "sapo"]
+    losses = ["bapo", "ce_gppo", "cispo", "clip_cov", "clip_higher", "dppo_kl", "dppo_tv", "gspo"]
+    losses += ["kl_cov", "m2po", "ppo", "sapo"]
     assert [job[0] for job in jobs] == [f"algo=_{loss}_schema" for loss in losses] + [
         f"algo={name}" for name in ALGOS
     ]
