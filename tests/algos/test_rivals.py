@@ -153,8 +153,10 @@ def areal_m2po(log_prob, old_logp, advantages, loss_mask, *, m2_threshold, eps, 
     # ppo_actor_loss_fn
     ratio = torch.exp(log_prob - old_logp)
     pg_loss1 = -advantages * ratio
-    pg_loss2 = -advantages * torch.clamp(ratio, 1.0 - eps, 1.0 + eps)
-    pg_loss = torch.max(pg_loss1, pg_loss2)
+    pg_loss = pg_loss1  # eps None: the paper's objective, no ratio clip
+    if eps is not None:
+        pg_loss2 = -advantages * torch.clamp(ratio, 1.0 - eps, 1.0 + eps)
+        pg_loss = torch.max(pg_loss1, pg_loss2)
     if c_clip is not None:
         pg_loss3 = torch.sign(advantages) * c_clip * advantages
         pg_loss = torch.min(pg_loss, pg_loss3)
@@ -163,12 +165,12 @@ def areal_m2po(log_prob, old_logp, advantages, loss_mask, *, m2_threshold, eps, 
 
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("agg", AGGREGATIONS)
-@pytest.mark.parametrize("dual", [3.0, None])
-def test_m2po_matches_areal(dual, agg, kind):
-    params = {"m2_threshold": 0.04, "eps_low": 0.2, "eps_high": 0.2, "dual_clip": dual}
+@pytest.mark.parametrize(("eps", "dual"), [(None, None), (0.2, 3.0), (0.2, None)])
+def test_m2po_matches_areal(eps, dual, agg, kind):
+    params = {"m2_threshold": 0.04, "eps_low": eps, "eps_high": eps, "dual_clip": dual}
 
     def ref(*args):
-        return areal_m2po(*args, m2_threshold=0.04, eps=0.2, c_clip=dual, agg=agg)[0]
+        return areal_m2po(*args, m2_threshold=0.04, eps=eps, c_clip=dual, agg=agg)[0]
 
     log_prob, old, adv, mask, grad, m = check("m2po", params, ref, kind, agg, seed=41, stale=0.4)
     _, kept = areal_m2po(
@@ -177,7 +179,7 @@ def test_m2po_matches_areal(dual, agg, kind):
         adv[:, None].expand_as(mask),
         mask,
         m2_threshold=0.04,
-        eps=0.2,
+        eps=eps,
         c_clip=dual,
         agg=agg,
     )
@@ -190,16 +192,21 @@ def test_m2po_matches_areal(dual, agg, kind):
     sign = adv[:, None].expand_as(mask)
     assert m["clipfrac_low"].item() >= dropped[sign < 0].sum().item() / mask.sum().item()
     assert m["clipfrac_high"].item() >= dropped[sign > 0].sum().item() / mask.sum().item()
+    if eps is None:  # no clip: every kept token trains, and c_high is the largest kept ratio
+        assert bool((grad[kept & (sign != 0)] != 0).all())
+        r = torch.exp(log_prob - old)
+        assert m["c_low"].item() == 0.0
+        assert m["c_high"].item() == pytest.approx(max(r[kept].max().item(), 1.0))
 
 
 def test_m2po_masks_nothing_on_policy_and_keeps_one_token_at_worst():
     log_prob, old, adv, mask = rival_batch(5)
-    a, ga, ma = loss_and_grad("m2po", log_prob, log_prob.clone(), adv, mask)
-    b, gb, _ = loss_and_grad("ppo", log_prob, log_prob.clone(), adv, mask)
+    a, ga, ma = loss_and_grad("m2po", log_prob, log_prob.clone(), adv, mask, dual_clip=None)
+    b, gb, _ = loss_and_grad("ppo", log_prob, log_prob.clone(), adv, mask, dual_clip=None)
     assert a.item() == b.item() and torch.equal(ga, gb)
     assert ma["clipfrac_low"].item() == ma["clipfrac_high"].item() == 0.0
     far = log_prob + 5.0  # every (log r)^2 = 25: all but one token masked
-    _, grad, m = loss_and_grad("m2po", far, log_prob, adv, mask, m2_threshold=0.04, eps_high=10)
+    _, grad, m = loss_and_grad("m2po", far, log_prob, adv, mask, m2_threshold=0.04)
     assert m["active_tokens"].item() <= 1
 
 
@@ -434,7 +441,8 @@ BAD = [
     ("dppo_tv", {"delta_low": 0.0}, "delta_low"),
     ("dppo_kl", {"ratio_cap": 0.5}, "ratio_cap"),
     ("m2po", {"m2_threshold": -1}, "m2_threshold"),
-    ("m2po", {"eps_low": 1.5}, "eps_low"),
+    ("m2po", {"eps_low": 1.5, "eps_high": 0.2}, "eps_low"),
+    ("m2po", {"eps_low": 0.2}, "eps_high"),
     ("clip_cov", {"clip_ratio": 2.0}, "clip_ratio"),
     ("clip_cov", {"cov_lb": 5.0, "cov_ub": 1.0}, "cov_ub"),
     ("kl_cov", {"kl_cov_ratio": 0.0}, "kl_cov_ratio"),

@@ -1,7 +1,8 @@
 """M2PO (Zheng et al. 2025, "Prosperity before Collapse", arXiv 2510.01161): instead of trusting
 the ratio clip alone on very stale data, mask the tokens with the largest squared log-ratio until
-the batch's second moment is under a threshold, then train the rest with the clipped surrogate.
-Written after AReaL (`m2_threshold`, `get_m2po_loss_mask`); formulas in docs/algorithms.md.
+the batch's second moment is under a threshold, and train the rest without a ratio clip.
+Written after AReaL (`m2_threshold`, `get_m2po_loss_mask`, `ppo_actor_loss_fn`); formulas in
+docs/algorithms.md.
 
 Per loss call (AReaL: per micro-batch given to the loss), over the valid tokens:
 
@@ -9,8 +10,11 @@ Per loss call (AReaL: per micro-batch given to the loss), over the valid tokens:
     sort m2 descending; mask the first k, with k the smallest number such that the mean of the
     remaining m2 is < m2_threshold (all but one if no k gets there)
 
-Masked tokens leave the loss and its normaliser (AReaL takes them out of the loss mask), the
-others get the clipped surrogate with (1 - eps_low, 1 + eps_high) and the shared dual clip.
+The kept tokens get the policy gradient loss -r_t A_t: the paper's objective (as AReaL's docs
+print it, sum_t M_t r_t A_t) has no ratio clip; `eps_low` / `eps_high` add one (AReaL hands its
+`eps_clip` to the same PPO loss; its M2PO example sets eps_clip 0.0). Masked tokens leave the loss
+and its token count, as AReaL's code takes them out of the loss mask (its docs' formula divides
+by all tokens instead).
 AReaL measures m2 against its proximal policy (the weights at the start of the training step);
 a loss call here sees the current weights, which within one optimizer update are the same.
 """
@@ -42,10 +46,16 @@ class M2POParams:
     m2_threshold: float = param(
         0.04,
         "mask the largest squared log-ratios until their mean over the rest is below this "
-        "(M2PO paper: 0.04; AReaL has no default, null there = off)",
+        "(AReaL's M2PO example and the paper: 0.04; AReaL's own default is null = off)",
     )
-    eps_low: float = param(0.2, "clip range of the kept tokens: c_low = 1 - eps_low (AReaL 0.2)")
-    eps_high: float = param(0.2, "clip range of the kept tokens: c_high = 1 + eps_high (AReaL 0.2)")
+    eps_low: float | None = param(
+        None,
+        "ratio clip of the kept tokens, c_low = 1 - eps_low; null = no clip (the paper's "
+        "objective masks instead of clipping)",
+    )
+    eps_high: float | None = param(
+        None, "ratio clip of the kept tokens, c_high = 1 + eps_high; null = no clip"
+    )
 
     def __post_init__(self) -> None:
         self.check()
@@ -53,13 +63,22 @@ class M2POParams:
     def check(self) -> None:
         if not 0.0 < number("m2_threshold", self.m2_threshold) < math.inf:
             raise ParamError("m2_threshold", self.m2_threshold, "must be a finite number > 0")
-        check_eps(self.eps_low, self.eps_high)
+        if (self.eps_low is None) != (self.eps_high is None):
+            raise ParamError("eps_high", self.eps_high, "set both eps_low and eps_high, or neither")
+        if self.eps_low is not None:
+            check_eps(self.eps_low, self.eps_high)
+
+    def bounds(self) -> tuple[float, float]:
+        """(c_low, c_high) of the ratio clip; (0, inf) when there is none."""
+        if self.eps_low is None:
+            return 0.0, math.inf
+        return 1.0 - float(self.eps_low), 1.0 + float(self.eps_high)
 
     def describe(self) -> str:
-        return (
-            f"tokens masked until mean (log r)^2 < {self.m2_threshold:g}, then "
-            f"[{1 - self.eps_low:g}, {1 + self.eps_high:g}]"
-        )
+        clip = "no ratio clip"
+        if self.eps_low is not None:
+            clip = f"then [{1 - self.eps_low:g}, {1 + self.eps_high:g}]"
+        return f"tokens masked until mean (log r)^2 < {self.m2_threshold:g}, {clip}"
 
 
 def m2_mask(log_ratio: Tensor, valid: Tensor, threshold: float) -> Tensor:
@@ -98,18 +117,19 @@ def m2po_loss(
     norm_len: float | None = None,
 ) -> tuple[Tensor, dict[str, Any]]:
     """M2PO (module docstring). clipfrac_low / clipfrac_high count the M2-masked tokens with the
-    ratio-clipped ones (A < 0 / A > 0): the tokens that lost their gradient.
+    ratio-clipped ones (A < 0 / A > 0): the tokens that lost their gradient. Without a ratio clip
+    c_low reports 0 and c_high the largest kept ratio (nothing above it was clipped).
 
     With gradient accumulation the trainer passes the mini-batch's token count (global_tokens),
     which still counts the masked tokens; within one call they leave the normaliser, as in
     AReaL (whose normaliser is its micro-batch's loss mask)."""
-    M2POParams(m2_threshold=m2_threshold, eps_low=eps_low, eps_high=eps_high)
-    c_low, c_high = 1.0 - float(eps_low), 1.0 + float(eps_high)
+    params = M2POParams(m2_threshold=m2_threshold, eps_low=eps_low, eps_high=eps_high)
+    c_low, c_high = params.bounds()
     dual_clip = _check_dual_clip(dual_clip, c_low)
     _check_agg(agg, log_prob.dim())
     tok = prepare_tokens(log_prob, old_log_prob, advantages, mask)
     drop = m2_mask(tok.log_ratio, tok.valid, float(m2_threshold))
-    return surrogate_dropping(
+    loss, metrics = surrogate_dropping(
         tok,
         drop,
         c_low,
@@ -121,3 +141,8 @@ def m2po_loss(
         global_seqs=global_seqs,
         norm_len=norm_len,
     )
+    if math.isinf(c_high):  # no clip: report the largest ratio kept, as kl_cov (finite to log)
+        kept = tok.valid & ~drop
+        top = float(torch.where(kept, tok.r, 0.0).max()) if kept.any() else 1.0
+        metrics["c_high"] = torch.tensor(max(top, 1.0), dtype=torch.float64)
+    return loss, metrics
