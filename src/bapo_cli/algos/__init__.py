@@ -1,7 +1,10 @@
 """Policy-loss core: pure functions on tensors, importable without the CLI or any config.
 
-- `bounds`: BAPO's adaptive clipping bounds (Algorithm 1), `adaptive_bounds`, `BoundAccumulator`.
-- `losses`: `policy_loss(name, ...)` with `REGISTRY` = ppo, clip_higher, bapo.
+- `bounds`: BAPO's adaptive clipping bounds (Algorithm 1), `adaptive_bounds`, `BoundAccumulator`
+  (the entry point of `bapo_path`, `bapo_locator`, `bapo_algorithm1`, `bapo_recipe`).
+- `losses`: `policy_loss(name, ...)` with `REGISTRY` (the entry point of `core` and the method
+  modules `ppo`, `bapo`, `gspo`, `cispo`, `sapo`, `dppo`, `m2po`, `cov`, `ce_gppo`).
+- `correction`: off-policy sequence masks (`rollout.seq_mask`).
 - `advantages`: `REGISTRY` = grpo, drgrpo, rloo.
 - `diagnostics`: the Entropy-Clip quadrant table and the predicted entropy change.
 
