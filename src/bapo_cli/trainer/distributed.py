@@ -246,8 +246,9 @@ def _fully_shard(policy: torch.nn.Module, compute_dtype: torch.dtype | None) -> 
     # so run one tiny forward through the root now (every rank, as the all-gather needs).
     device = next(policy.parameters()).device
     one = torch.ones((1, 1), dtype=torch.long, device=device)
-    with torch.no_grad():
-        policy(one, one, torch.zeros_like(one))
+    zero = torch.zeros(1, dtype=torch.long, device=device)
+    with torch.no_grad():  # one response token: (ids, mask, gather_pos, targets, rows, cols)
+        policy(one, one, torch.zeros_like(one), torch.zeros_like(one), zero, zero)
     policy.reshard()  # the root keeps gathered weights after a forward; the optimizer needs shards
     return policy
 
