@@ -13,9 +13,10 @@ So, once per process:
   ``OMP_WAIT_POLICY=PASSIVE`` and ``KMP_BLOCKTIME=0``, so a waiting thread sleeps. Inherited by
   every process this one starts (grading workers, the async worker, torchrun ranks).
 - `configure()` (when training starts): torch's intra-op threads = the cores free for this
-  process, `usable_cores()` (its CPU affinity and cgroup quota) less the 1-minute load average
-  of everything else, at least 1, never more than already set (a sweep's joblib jobs split the
-  cores first); one inter-op thread. The async worker takes its share of that count.
+  process: `usable_cores()` (its CPU affinity and cgroup quota) less everyone else's load
+  (`other_load()`: the 1-minute load average, or the tasks runnable now if more), at least 1,
+  never more than already set (a sweep's joblib jobs split the cores first); one inter-op
+  thread. The async worker takes its share of that count.
 
 An explicit ``OMP_NUM_THREADS`` (also torchrun's default of 1) or ``OMP_WAIT_POLICY`` wins.
 ``BAPO_THREADS=<n>`` sets the count; ``BAPO_THREADS=legacy`` restores the old behaviour (torch's
@@ -61,6 +62,21 @@ def usable_cores() -> int:
     return max(1, cores)
 
 
+def other_load() -> float:
+    """Runnable tasks of everyone else: the 1-minute load average, or the tasks runnable right
+    now less this one when more (a load that just began, e.g. a benchmark's busy loops, shows
+    there a minute before the average catches up)."""
+    try:
+        with open("/proc/loadavg") as f:
+            fields = f.read().split()
+        return max(float(fields[0]), int(fields[3].split("/")[0]) - 1.0)
+    except (OSError, ValueError, IndexError):
+        try:
+            return os.getloadavg()[0]
+        except OSError:
+            return 0.0
+
+
 def free_cores(cores: int, load: float) -> int:
     """Cores left when `load` runnable tasks (the 1-minute load average) share `cores`: at
     least 1, rounded to the nearest core (2 cores at load 0.4 -> 2, at 1.3 -> 1)."""
@@ -81,10 +97,7 @@ def choose(current: int) -> ThreadChoice:
     if os.environ.get("OMP_NUM_THREADS"):
         return ThreadChoice(current, f"OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']}")
     cores = usable_cores()
-    try:
-        load = os.getloadavg()[0]
-    except OSError:
-        load = 0.0
+    load = other_load()
     free = free_cores(cores, load)
     return ThreadChoice(min(current, free), f"{cores} cores, load {load:.1f}: {free} free")
 
