@@ -251,3 +251,21 @@ def test_a_backend_that_is_not_installed_is_refused_before_the_run_in_one_line()
     assert out.stdout.strip() == (
         "tracking.backends=wandb: is not installed: pip install 'bapo-cli[trackers]'"
     )
+
+
+def test_the_end_of_run_lines_name_each_backend_and_no_mlflow_run_when_it_was_off(tmp_path) -> None:
+    from bapo_cli.trainer.progress import where_lines
+
+    config = settings("wandb", "tensorboard")
+    others = tracking.backends.where_lines(config, "abc123", tmp_path)
+    assert others == [
+        "W&B: project=test mode=offline  run abc123",
+        f"upload it: wandb sync {tmp_path}/wandb/offline-run-*-abc123",
+        f"TensorBoard: tensorboard --logdir {tmp_path}/tensorboard",
+    ]
+    lines = where_lines(tmp_path, "sqlite:///x.db", "abc123", mlflow=False, others=others)
+    assert lines == [f"run dir: {tmp_path}", *others]  # the W&B id is not an MLflow run
+    assert where_lines(tmp_path, "", None, mlflow=False) == [
+        f"run dir: {tmp_path}",
+        "MLflow: off (tracking=none)",
+    ]

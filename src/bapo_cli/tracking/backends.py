@@ -10,6 +10,7 @@ only here, when a run asks for them: `bapo --help` and MLflow-only runs never lo
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -76,6 +77,21 @@ def where(settings: Any, backend: str) -> str:
         return f"project={project}{wb.project or settings.experiment} mode={wb.mode or 'default'}"
     log_dir = settings.tensorboard.log_dir
     return f"log_dir={log_dir if log_dir is not None else '<run dir>/tensorboard'}"
+
+
+def where_lines(settings: Any, run_id: str | None, run_dir: Path) -> list[str]:
+    """What `bapo train` prints at the end about W&B and TensorBoard (MLflow's lines are the
+    trainer's): where the run is and how to look at it."""
+    lines = []
+    if "wandb" in settings.backends:
+        lines.append(f"W&B: {where(settings, 'wandb')}  run {run_id}")
+        if (settings.wandb.mode or os.environ.get("WANDB_MODE")) == "offline":
+            base = os.environ.get("WANDB_DIR") or run_dir
+            lines.append(f"upload it: wandb sync {base}/wandb/offline-run-*-{run_id}")
+    if "tensorboard" in settings.backends:
+        log_dir = settings.tensorboard.log_dir or Path(run_dir) / "tensorboard"
+        lines.append(f"TensorBoard: tensorboard --logdir {log_dir}")
+    return lines
 
 
 def make_tracker(

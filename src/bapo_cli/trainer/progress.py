@@ -146,16 +146,25 @@ def summary_table(history: list[dict[str, float]], title: str = "bapo train: sum
 
 
 def where_lines(
-    run_dir: Path, uri: str, run_id: str | None, *, resume: str | None = None
+    run_dir: Path,
+    uri: str,
+    run_id: str | None,
+    *,
+    resume: str | None = None,
+    mlflow: bool = True,
+    others: list[str] | tuple[str, ...] = (),
 ) -> list[str]:
     """Where the run went and what to type next: the run dir, the MLflow store and run, how to
-    open it (`bapo ui`), and for a stopped run the exact command that continues it."""
+    open it (`bapo ui`), the other trackers' lines (`others`: W&B, TensorBoard;
+    bapo_cli.tracking.backends.where_lines), and for a stopped run the exact command that
+    continues it. `mlflow`: whether MLflow was one of the trackers (`run_id` is then its run)."""
     lines = [f"run dir: {run_dir}"]
-    if run_id:
+    if mlflow and run_id:
         lines.append(f"MLflow: {redact.text(uri)}  run {run_id}")
         lines.append(f"open the results: {ui_command(uri)}")
-    else:
+    elif not others:
         lines.append("MLflow: off (tracking=none)")
+    lines.extend(others)
     if resume:
         lines.append(f"resume: {resume}")
     return lines
@@ -185,8 +194,10 @@ def print_summary(
     *,
     resume: str | None = None,
     title: str = "bapo train: summary",
+    mlflow: bool = True,
+    others: list[str] | tuple[str, ...] = (),
 ) -> None:
     """The table, then the where-lines unwrapped (copyable at any console width)."""
     console.print(summary_table(history, title))
-    for line in where_lines(run_dir, uri, run_id, resume=resume):
+    for line in where_lines(run_dir, uri, run_id, resume=resume, mlflow=mlflow, others=others):
         console.print(line, highlight=False, markup=False, soft_wrap=True)

@@ -46,6 +46,7 @@ from bapo_cli.rollout.collect import Collector, DynamicSampling
 from bapo_cli.staleness.regimes import REGIMES, Regime, make_regime
 from bapo_cli.staleness.worker import WorkerError
 from bapo_cli.tracking import flatten, make_tracker, redact, start_failure
+from bapo_cli.tracking.backends import where_lines as tracking_where_lines
 from bapo_cli.trainer import checkpoint, distributed
 from bapo_cli.trainer.interrupt import GracefulStop
 from bapo_cli.trainer.policy import (
@@ -224,6 +225,8 @@ def train(
         tracker.run_id,
         resume=resume,
         title=title,
+        mlflow="mlflow" in cfg.tracking.backends,
+        others=tracking_where_lines(cfg.tracking, tracker.run_id, run_dir),
     )
     return TrainResult(
         run_dir,
