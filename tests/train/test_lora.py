@@ -41,7 +41,7 @@ def test_only_adapters_train_and_the_checkpoint_holds_the_adapter(tmp_path: Path
     assert {tuple(s["exp_avg"].shape) for s in optim["state"].values()} == {
         tuple(v.shape) for v in adapter.values()
     }
-    assert any(h["actor/c_high"] != h["actor/c_low"] for h in result.history)  # BAPO searched
+    assert all("bapo/rho" in h for h in result.history)  # BAPO's search ran on every step
     # the base weights did not move: the trained policy minus its adapters is the base model
     trained, _ = models.load_checkpoint(ckpt)  # merged on load
     base, _ = models.load_policy(run_train_cfg().model)
@@ -93,3 +93,12 @@ def test_lora_with_the_async_worker_is_refused_in_one_line(tmp_path: Path) -> No
         run_train(tmp_path, *LORA, "staleness.regime=async")
     assert str(err.value).startswith("model.lora with staleness.regime=async:")
     assert "\n" not in str(err.value)
+
+
+def test_the_plan_says_lora_is_on(tmp_path: Path) -> None:
+    from bapo_cli.config.preflight import preflight
+    from bapo_cli.launch import plan
+
+    rows = dict(plan.train_rows(preflight("train", list(LORA)).config, tmp_path))
+    assert rows["model"].endswith("(tiny), LoRA r=4 alpha=16 on all-linear")
+    assert "LoRA" not in dict(plan.train_rows(run_train_cfg(), tmp_path))["model"]

@@ -74,11 +74,19 @@ def _tracking(cfg: TrainConfig | EvalRunConfig) -> str:
     return "; ".join(f"{name}: {where(cfg.tracking, name)}" for name in cfg.tracking.backends)
 
 
+def _lora(model: object) -> str:
+    """`, LoRA r=8 alpha=32 on all-linear` when model.lora is on (only the adapters train)."""
+    lora = getattr(model, "lora", None)
+    if lora is None or not lora.rank:
+        return ""
+    return f", LoRA r={lora.rank} alpha={lora.alpha:g} on {','.join(lora.target_modules)}"
+
+
 def train_rows(cfg: TrainConfig, run_dir: Path) -> list[tuple[str, str]]:
     engine, why = resolve_engine(cfg.rollout.name, cfg.model.device)
     seqs = cfg.trainer.prompts_per_step * cfg.rollout.n
     return [
-        ("model", f"{cfg.model.name} ({cfg.model.path})"),
+        ("model", f"{cfg.model.name} ({cfg.model.path}){_lora(cfg.model)}"),
         ("algo", f"{cfg.algo.name}: loss={cfg.algo.loss} advantage={cfg.algo.advantage}"),
         ("clip", describe_clip(cfg.algo)),
         ("dual clip", "off" if cfg.algo.dual_clip is None else f"{cfg.algo.dual_clip:g}"),
