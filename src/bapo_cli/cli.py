@@ -195,6 +195,7 @@ def train(
             on_gpu = checked.config.model.device != "cpu"
             text = multinode.slurm_script(topo, list(overrides or []), gpus=on_gpu)
             slurm_script.write_text(text)
+            slurm_script.chmod(0o700)  # its overrides may hold credentials (tracking.uri)
             Console().print(f"wrote {slurm_script}: sbatch {slurm_script}")
             return
         program = multinode.train_program(list(overrides or []))
