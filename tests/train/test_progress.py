@@ -25,13 +25,16 @@ def _lines(console: Console) -> list[str]:
 def test_status_lines_come_at_a_readable_cadence_in_a_pipe() -> None:
     console = Console(file=io.StringIO(), width=80)  # not a terminal: no live bar
     with TrainProgress(100, 0, console) as bar:
-        for step in range(1, 101):
-            bar.update(step, M)
-    steps = [int(line.split()[1].split("/")[0]) for line in _lines(console)]
-    assert steps == [1, *range(5, 101, 5)]  # the first, then every 100 // 20 steps
-    first = _lines(console)[0]
+        for step in range(1, 101):  # rewards 0.25, then 0.3, 0.4, 0.5, 0.4 (mean 0.4), ...
+            reward = 0.25 if step == 1 else (0.3, 0.4, 0.5, 0.4)[(step - 2) % 4]
+            bar.update(step, {**M, "reward/mean": reward})
+    spans = [line.split()[1].split("/")[0] for line in _lines(console)]
+    # the first step, then every 100 // 20 steps, each line the mean of the steps since the last
+    assert spans == ["1", "2-5", *(f"{end - 4}-{end}" for end in range(10, 101, 5))]
+    first, second = _lines(console)[:2]
     assert first.startswith("step 1/100  reward 0.250  entropy 0.800  clip [0.62, 1.35]  ")
     assert "steps/s  ETA " in first  # one line, though longer than 80 columns
+    assert second.startswith("steps 2-5/100  reward 0.400  entropy 0.800  clip [0.62, 1.35]  ")
 
 
 def test_the_terminal_bar_shows_steps_per_second_and_eta() -> None:

@@ -42,17 +42,24 @@ class _StepsPerSecond(ProgressColumn):
         return Text("– steps/s" if speed is None else f"{speed:.2f} steps/s", style="cyan")
 
 
-def status_line(m: dict[str, float]) -> str:
-    """One step's reward, entropy and clip bounds (BAPO's adaptive [c_low, c_high])."""
+def status_line(window: list[dict[str, float]]) -> str:
+    """Reward, entropy and clip bounds (BAPO's adaptive [c_low, c_high]) averaged over `window`,
+    the steps since the previous line: one step's reward is too noisy to show a trend."""
+
+    def mean(key: str) -> float:
+        values = [m[key] for m in window if key in m]
+        return sum(values) / len(values) if values else 0.0
+
     return (
-        f"reward {m.get('reward/mean', 0):.3f}  entropy {m.get('actor/entropy', 0):.3f}  "
-        f"clip [{m.get('actor/c_low', 0):.2f}, {m.get('actor/c_high', 0):.2f}]"
+        f"reward {mean('reward/mean'):.3f}  entropy {mean('actor/entropy'):.3f}  "
+        f"clip [{mean('actor/c_low'):.2f}, {mean('actor/c_high'):.2f}]"
     )
 
 
 class TrainProgress:
     """The bar (terminal only) and the status lines (always): at the first step, every
-    `total // LINES_PER_RUN` steps, after `MAX_SILENCE_S` without one, and at the last step."""
+    `total // LINES_PER_RUN` steps, after `MAX_SILENCE_S` without one, and at the last step.
+    A line covering several steps (`steps 8-14/150`) shows their means."""
 
     def __init__(self, total: int, done: int, console: Console) -> None:
         self.progress = Progress(
@@ -73,6 +80,7 @@ class TrainProgress:
         self.total, self.start_step = total, done
         self.every = max(1, total // LINES_PER_RUN)
         self.started = self.last_line = time.monotonic()
+        self.window: list[dict[str, float]] = []
 
     def __enter__(self) -> TrainProgress:
         self.progress.__enter__()
@@ -82,8 +90,8 @@ class TrainProgress:
         self.progress.__exit__(*exc)
 
     def update(self, step: int, m: dict[str, float]) -> None:
-        info = status_line(m)
-        self.progress.update(self.task, completed=step, info=info)
+        self.progress.update(self.task, completed=step, info=status_line([m]))
+        self.window.append(m)
         now = time.monotonic()
         due = (
             step == self.start_step + 1
@@ -95,8 +103,11 @@ class TrainProgress:
             self.last_line = now
             rate = (step - self.start_step) / max(now - self.started, 1e-9)
             eta = (self.total - step) / rate if rate > 0 else 0.0
+            first = step - len(self.window) + 1
+            steps = f"step {step}" if first == step else f"steps {first}-{step}"
+            info, self.window = status_line(self.window), []
             self.console.print(
-                f"step {step}/{self.total}  {info}  {rate:.2f} steps/s  ETA {_clock(eta)}",
+                f"{steps}/{self.total}  {info}  {rate:.2f} steps/s  ETA {_clock(eta)}",
                 highlight=False,
                 markup=False,
                 soft_wrap=True,
