@@ -75,25 +75,35 @@ def run_ui(uri: str, port: int, host: str = "127.0.0.1") -> int:
 
     command = [sys.executable, "-m", "mlflow", "ui", "--host", host, "--port", str(port)]
     env = {**os.environ, "MLFLOW_BACKEND_STORE_URI": uri}
-    proc = subprocess.Popen(
-        command,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        stdin=subprocess.DEVNULL,
-        env=env,
-        start_new_session=True,
-        text=True,
-        errors="replace",
-    )
     received: list[int] = []
+    started: list[subprocess.Popen] = []
 
     def forward(signum: int, _frame: object) -> None:
         received.append(signum)
-        _signal_group(proc.pid, signum)
+        for proc in started:  # none yet: stopped as soon as it exists (below)
+            _signal_group(proc.pid, signum)
 
     stops = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
-    previous = {s: signal.signal(s, forward) for s in stops}
+    previous = {s: signal.signal(s, forward) for s in stops}  # before the start: no gap
     try:
+        proc = subprocess.Popen(
+            command,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=env,
+            start_new_session=True,
+            text=True,
+            errors="replace",
+        )
+    except BaseException:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+        raise
+    started.append(proc)
+    try:
+        if received:  # a signal came while it started
+            _signal_group(proc.pid, received[0])
         for line in proc.stdout:  # EOF once the UI (and every worker holding the pipe) exits
             sys.stderr.write(redact.text(line))
             sys.stderr.flush()
