@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -15,11 +16,14 @@ BENCHMARKS = REPO / "src" / "bapo_cli" / "data" / "benchmarks"
 
 
 @pytest.fixture(autouse=True)
-def _output_root(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+def _output_root(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     root = tmp_path / "outputs"
     monkeypatch.setenv("BAPO_OUTPUT_ROOT", str(root))
     monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
-    return root
+    yield root
+    from bapo_cli.tracking import redact
+
+    redact.forget()  # secrets a test's command line held must not mask the next test's output
 
 
 def run_bapo(*args: str, cwd: Path | None = None, env: dict | None = None, timeout: int = 300):

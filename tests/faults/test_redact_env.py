@@ -184,3 +184,11 @@ def test_a_jobs_error_line_is_masked(_output_root: Path) -> None:
     assert PW not in result.stdout + result.stderr
     (log,) = _output_root.glob("runs/*/*/train.log")
     assert PW not in log.read_text()
+
+
+def test_a_short_secret_is_masked_by_pattern_only_and_tests_forget_literals() -> None:
+    redact.remember_overrides(["tracking.uri=http://u:2026@h:1", "+hydra.job.env_set.DB_PASS=a b"])
+    assert redact.text("http://u:2026@h:1 on 2026-12-01") == "http://u:***@h:1 on 2026-12-01"
+    assert redact.text("DB_PASS is 'a b'") == "DB_PASS is '***'"
+    redact.forget()
+    assert redact.text("DB_PASS is 'a b'") == "DB_PASS is 'a b'"

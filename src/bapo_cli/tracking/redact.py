@@ -49,8 +49,9 @@ _ENV_NAME = re.compile(r"^[A-Z0-9_]*[A-Z][A-Z0-9_]*$")
 _ENV_SECRET = re.compile(rf"(?:{'|'.join(w.upper() for w in SECRET_WORDS)})$")
 ENV_SET = "env_set"  # hydra.job.env_set.<VAR>: every value under it is masked
 # a literal secret is replaced wherever it appears once it is at least this long (or holds a
-# space, which no pattern can delimit); shorter ones would mask ordinary text
-MIN_LITERAL = 4
+# space, which no pattern can delimit); shorter ones (`test`, `2026`) would mask ordinary text,
+# and are masked only where a pattern finds them (`name=value`, a URL's user info)
+MIN_LITERAL = 8
 _CAMEL = re.compile(r"(?<=[a-z0-9])(?=[A-Z])")
 # `http://`, `http\://` (as Hydra prints an override), or a bare `//` (OmegaConf reads
 # `{http://u:p@h}` as a dict and its error quotes `'//u:p@h'`)
@@ -86,9 +87,15 @@ def remember(secret: str | None) -> None:
     with a space, which no pattern finds the end of). Too short or empty: ignored."""
     if not secret or secret in _UNSET or secret == MASK:
         return
-    if len(secret) >= MIN_LITERAL or any(c.isspace() for c in secret):
+    if len(secret) >= MIN_LITERAL or (len(secret) >= 3 and any(c.isspace() for c in secret)):
         with _remembered_lock:
             _remembered.add(secret)
+
+
+def forget() -> None:
+    """Forget every remembered literal (tests: one test's secrets must not mask the next's text)."""
+    with _remembered_lock:
+        _remembered.clear()
 
 
 def url_secret(value: str) -> str | None:
