@@ -361,12 +361,15 @@ def report(
     uri: str | None = typer.Option(None, help="Tracking URI (default: the sweep's or config's)."),
     out: Path | None = typer.Option(None, help="Report dir (default: <sweep>/report or outputs)."),
     facet: str | None = typer.Option(
-        None, help="An override key (e.g. staleness): one column of plot panels per value."
+        None,
+        help="A config facet (e.g. staleness.k, algo, or staleness.k,trainer.lr): one column "
+        "of plot panels per value.",
     ),
     baseline: str | None = typer.Option(
         None,
-        help="An override (e.g. algo=grpo): compare every group with it (mean difference, "
-        "permutation p) in comparisons.md; per --facet value.",
+        help="A facet KEY=VALUE (e.g. algo=grpo): compare every group with the group holding "
+        "it in the same cell of the other facets (mean difference, permutation p) in "
+        "comparisons.md.",
     ),
 ) -> None:
     """Compare runs: a table (markdown, CSV) and plots per metric, logged to the sweep's parent."""

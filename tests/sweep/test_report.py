@@ -173,3 +173,93 @@ def test_comparisons_match_the_baseline_within_each_facet_value(tmp_path: Path) 
     # the baseline is itself a facet value: nothing shares a column with it, said in one line
     with pytest.raises(report.ReportError, match="must set another key"):
         report.comparisons_table(runs, "experiment=reuse8", "experiment")
+
+
+# ----------------------------------------------------- facets: runs from anywhere, by config
+
+
+def _cfg_run(
+    algo: str, lr: str, seed: int, final: float, *, k: str = "8", typed: str | None = None
+) -> report.RunData:
+    """A run as the store holds it: recorded config (params), and typed overrides only when it
+    was a sweep job (`typed`)."""
+    params = {
+        "algo.name": algo,
+        "algo.loss": {"grpo": "ppo"}.get(algo.split("@")[0], "bapo"),
+        "algo.advantage": "grpo",
+        "staleness.k": k,
+        "staleness.regime": "reuse",
+        "trainer.prompts_per_step": "64" if k == "8" else "8",
+        "trainer.lr": lr,
+        "trainer.seed": str(seed),
+        "tracking.uri": f"sqlite:////tmp/store{seed}/mlflow.db",  # where it logged: no facet
+    }
+    if "@" in algo:  # bapo@0.4: BAPO with that rho0
+        params["algo.name"], params["algo.rho0"] = algo.split("@")
+    run = _study_run(typed or params["algo.name"], (0.3, final), [0.3])
+    run.overrides = typed.split() if typed else None
+    run.params = params
+    return run
+
+
+def test_facets_label_runs_from_sweeps_and_from_single_runs_alike() -> None:
+    runs = [
+        _cfg_run("grpo", "0.0003", 0, 0.30),  # started on its own
+        _cfg_run("grpo", "0.0003", 1, 0.31, typed="algo=grpo trainer.lr=3e-4 trainer.seed=1"),
+        _cfg_run("bapo@0.4", "0.0003", 0, 0.35),
+        _cfg_run("bapo@0.5", "0.0003", 0, 0.36),
+        _cfg_run("grpo", "0.0003", 2, 0.32, k="1"),
+    ]
+    keys = report.label_runs(runs)
+    # staleness.k determines prompts_per_step (dropped); the store's path is not a facet
+    assert keys == ["algo", "algo.rho0", "staleness.k"]
+    assert [r.label for r in runs] == [
+        "algo=grpo staleness.k=8 trainer.seed=0",
+        "algo=grpo staleness.k=8 trainer.seed=1",  # typed 3e-4, recorded 0.0003: one group
+        "algo=bapo algo.rho0=0.4 staleness.k=8 trainer.seed=0",
+        "algo=bapo algo.rho0=0.5 staleness.k=8 trainer.seed=0",
+        "algo=grpo staleness.k=1 trainer.seed=2",
+    ]
+    assert report.canonical("1e-4") == report.canonical("0.0001") == "0.0001"
+    assert report.canonical("'8'") == report.canonical("8.0") == "8"
+    assert report.canonical("True") == "true"
+
+
+def test_baseline_is_found_in_each_cell_of_the_other_facets(tmp_path: Path) -> None:
+    runs = []
+    for lr in ("0.0003", "0.0006"):
+        for seed in range(3):
+            grpo = 0.30 - (0.2 if lr == "0.0006" else 0.0) + 0.01 * seed
+            runs.append(_cfg_run("grpo", lr, seed, grpo))
+            runs.append(_cfg_run("bapo@0.4", lr, seed, grpo + 0.1))
+            runs.append(_cfg_run("bapo@0.5", lr, seed, grpo - 0.001 * seed))
+    header, rows = report.comparisons_table(runs, "algo=grpo")
+    assert [r[:3] for r in rows] == [
+        ["algo=bapo algo.rho0=0.4 trainer.lr=0.0003", "algo=grpo trainer.lr=0.0003", "3 vs 3"],
+        ["algo=bapo algo.rho0=0.5 trainer.lr=0.0003", "algo=grpo trainer.lr=0.0003", "3 vs 3"],
+        ["algo=bapo algo.rho0=0.4 trainer.lr=0.0006", "algo=grpo trainer.lr=0.0006", "3 vs 3"],
+        ["algo=bapo algo.rho0=0.5 trainer.lr=0.0006", "algo=grpo trainer.lr=0.0006", "3 vs 3"],
+    ]
+    change, p = header.index("held-out change diff"), header.index("held-out change p")
+    assert [r[change] for r in rows] == ["+0.100", "-0.001", "+0.100", "-0.001"]
+    assert [r[p] for r in rows][::2] == ["0.100", "0.100"]  # separated: 2 of 20 splits
+    # the facet column splits the table; the cells are the same
+    header, faceted = report.comparisons_table(runs, "algo=grpo", facet="trainer.lr")
+    assert [r[:3] for r in faceted][:2] == [
+        ["0.0003", "algo=bapo algo.rho0=0.4", "algo=grpo"],
+        ["0.0003", "algo=bapo algo.rho0=0.5", "algo=grpo"],
+    ]
+    # algo.loss is part of the algo choice: both BAPO groups share the lr cell
+    with pytest.raises(report.ReportError, match="two groups have it in one cell"):
+        report.comparisons_table(runs, "algo.loss=bapo")
+    with pytest.raises(report.ReportError, match="every group has it"):
+        report.comparisons_table(runs, "staleness.k=8")
+    with pytest.raises(report.ReportError, match="must be KEY=VALUE, e.g. algo=grpo"):
+        report.comparisons_table(runs, "grpo")
+    with pytest.raises(
+        report.ReportError,
+        match="--facet algo.rho: no run has it; keys that differ: algo, algo.rho0, trainer.lr",
+    ):
+        report.write_report(runs, tmp_path / "r", facet="trainer.lr,algo.rho")
+    out = report.write_report(runs, tmp_path / "r", facet="trainer.lr,staleness.k")
+    assert "comparisons.md" not in [p.name for p in out.files]

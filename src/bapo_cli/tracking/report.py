@@ -4,10 +4,14 @@
     bapo report --experiment staleness_study                   # every run of an experiment
     bapo report 4ae6d249... 9939f111...                        # these runs
 
-Each run is labelled by its overrides (the `bapo.overrides` tag a sweep job carries; for other
-runs its name), minus the overrides every run shares. Runs whose labels differ only in
-`trainer.seed` form a group: the report then adds a table of seed means ± standard deviations,
-and the plots draw one line per group (seed mean, band from min to max).
+Each run is labelled by its config facets (`facets`): the config it recorded (MLflow params,
+`trainer.lr=0.0003`), its group choices (`algo=grpo` from `algo.name`), and for a sweep job the
+overrides it was typed with (`experiment=study_v2_reuse8`, the `bapo.overrides` tag). The label
+keeps the keys whose values differ between the runs compared and drops those the kept ones already
+determine, so runs started one by one and the jobs of one or many sweeps are labelled, grouped and
+compared alike. Runs whose labels differ only in `trainer.seed` form a group: the report then adds
+a table of seed means ± standard deviations, and the plots draw one line per group (seed mean,
+band from min to max).
 
 Written into the report dir (default `<sweep dir>/report`, else `<output root>/reports/<time>`):
 `runs.md` / `runs.csv` (one row per run), `groups.md` / `groups.csv` (with seeds), and one PNG
@@ -20,8 +24,9 @@ rho, clip fractions and step time are means over all steps; "start rho" is the m
 "held-out start/final" are the first and last logged value of the run's validation metric
 (`val/<set>/avg_at_<n>`, the first such key when there are several: `trainer.val_every`).
 
-`--baseline algo=grpo` adds `comparisons.md`: every other group against the baseline group (in
-the same `--facet` column when a facet is given), per outcome the mean difference over seeds and
+`--baseline algo=grpo` adds `comparisons.md`: every other group against the baseline group of
+its cell (the group holding that facet whose other label keys -- all but the baseline's own key
+and its sub-keys, `algo.*` -- have the same values), per outcome the mean difference over seeds and
 an exact two-sided permutation p-value (all relabelings of the seeds into the two groups; a
 seeded Monte-Carlo sample of 20,000 when there are more), which assumes nothing about the
 distribution. With 5 seeds per side the smallest possible p is 2/252 ≈ 0.008.
@@ -72,6 +77,7 @@ def _val(h: dict[str, list[tuple[int, float]]], which: int) -> float | None:
 COLUMNS = (  # (header, function of a run's histories)
     ("held-out start", lambda h: _val(h, 0)),
     ("held-out final", lambda h: _val(h, -1)),
+    ("held-out change", lambda h: _change(_val(h, 0), _val(h, -1))),
     ("final reward", lambda h: _tail_mean(h.get("reward/mean"))),
     ("best reward", lambda h: max((v for _, v in h.get("reward/mean", [])), default=None)),
     ("final entropy", lambda h: _tail_mean(h.get("actor/entropy"))),
@@ -83,7 +89,13 @@ COLUMNS = (  # (header, function of a run's histories)
     ("clipfrac high", lambda h: _mean(h.get("actor/clipfrac_high"))),
     ("step s", lambda h: _mean(h.get("perf/step_s"))),
 )
-SEED = re.compile(r"^\+*trainer\.seed=")
+SEED_KEY = "trainer.seed"  # what varies within a group
+IGNORED = ("tracking", "paths", "hydra", "launcher", "sweeper", "trainer.resume")
+IGNORED += ("trainer.save_every", "trainer.keep_last", "trainer.log_every", "trainer.log_samples")
+IGNORED += ("trainer.dist_timeout_min",)
+"""Keys (and their sub-keys) that say where and how a run was logged, saved or launched, not
+what it trained: never a facet, so runs of one cell logged to other stores or launched by
+another launcher still group together."""
 
 
 @dataclass
@@ -91,10 +103,12 @@ class RunData:
     run_id: str
     name: str
     status: str
-    overrides: list[str]  # what labels the run (sweep overrides, else [name])
+    overrides: list[str] | None  # a sweep job's typed overrides; None: started on its own
     histories: dict[str, list[tuple[int, float]]]  # metric -> [(step, value)] by step
+    params: dict[str, str] = field(default_factory=dict)  # the config it recorded (flattened)
     parent_id: str | None = None
-    label: str = ""  # overrides not shared by every run in the report
+    facets: dict[str, str] = field(default_factory=dict)  # key -> canonical value (`facets`)
+    label: str = ""  # facets whose values differ between the runs in the report
     group: str = ""  # label without the seed
     values: dict[str, float | None] = field(default_factory=dict)
 
@@ -197,8 +211,9 @@ def _run_data(client: Any, run: Any) -> RunData:
         run_id=run.info.run_id,
         name=run.info.run_name or run.info.run_id[:12],
         status=run.info.status,
-        overrides=overrides.split() if overrides else [run.info.run_name or run.info.run_id[:12]],
+        overrides=overrides.split() if overrides is not None else None,
         histories=histories,
+        params=dict(run.data.params),
         parent_id=tags.get(tracking.PARENT_TAG),
     )
 
@@ -218,20 +233,145 @@ def _head_mean(points: list[tuple[int, float]] | None, frac: float = 0.1) -> flo
     return _mean(points[: max(int(len(points) * frac), 1)]) if points else None
 
 
-def label_runs(runs: list[RunData]) -> None:
-    """Label = overrides not shared by all runs; group = label without the seed."""
-    shared = set.intersection(*(set(r.overrides) for r in runs)) if len(runs) > 1 else set()
+def _change(start: float | None, final: float | None) -> float | None:
+    return None if start is None or final is None else final - start
+
+
+# ------------------------------------------------------------------------------------ facets
+
+
+def canonical(value: str) -> str:
+    """One spelling per value, so `1e-4` typed and `0.0001` recorded (MLflow params are str()
+    of the config) are the same facet value: numbers as Python prints them (integers without
+    `.0`), booleans lower-case, quotes dropped."""
+    value = _unquote(value.strip())
+    if value in ("True", "False"):
+        return value.lower()
+    try:
+        number = float(value)
+    except ValueError:
+        return value
+    if number.is_integer() and abs(number) < 1e15:
+        return str(int(number))
+    return repr(number)
+
+
+def _key(key: str) -> str:
+    return key.strip().lstrip("+")
+
+
+def _ignored(key: str) -> bool:
+    return any(key == k or key.startswith(k + ".") or key.startswith(k + "/") for k in IGNORED)
+
+
+def facets(run: RunData) -> dict[str, str]:
+    """What the run trained, as `{key: canonical value}`, in label order: a sweep job's typed
+    overrides first (the words its user chose, e.g. `experiment=study_v2_reuse8`), then each
+    config group's choice (`algo` from the recorded `algo.name`), then every recorded config key.
+    Keys of `IGNORED` (where it logged, how it launched) are left out."""
+    out: dict[str, str] = {}
+    for override in run.overrides or []:
+        key, sep, value = override.partition("=")
+        if sep and not _ignored(_key(key)):
+            out[_key(key)] = canonical(value)
+    for key, value in run.params.items():
+        if key.endswith(".name") and key.count(".") == 1 and not _ignored(key):
+            out.setdefault(key[: -len(".name")], canonical(value))
+    for key, value in run.params.items():
+        if not _ignored(key):
+            out[key] = canonical(value)  # the recorded value wins over its typed spelling
+    return out
+
+
+def _known(runs: list[RunData], key: str) -> bool:
+    """Whether every run can say its value of `key`. A config key (`trainer.lr`, `algo.rho0`,
+    `algo`) can: a run without it has no such setting. A key only a sweep's typed overrides name
+    (`experiment`, `staleness`) cannot for a run started on its own, which records its config
+    but not the presets that made it."""
+    config = any(key in r.params or f"{key}.name" in r.params for r in runs)
+    return config or all(r.overrides is not None for r in runs)
+
+
+def label_keys(runs: list[RunData]) -> list[str]:
+    """The facet keys that label the runs: those whose values differ between them (the seed
+    aside), in `facets` order, each kept only when the keys kept before it do not already
+    determine it (e.g. `staleness.k` once `experiment` is kept, `algo.loss` once `algo` is)."""
+    every = list(dict.fromkeys(k for r in runs for k in r.facets))
+    typed = {_key(o.partition("=")[0]) for r in runs for o in r.overrides or []}
+    aliases = {k for k in every if any(f"{k}.name" in r.params for r in runs)}
+    sections = list(dict.fromkeys(k.split(".")[0] for k in every))
+    order = sorted(  # typed, then group choices, then config keys section by section
+        every,
+        key=lambda k: (k not in typed, k not in aliases, sections.index(k.split(".")[0])),
+    )
+    kept: list[str] = []
+    for key in order:
+        if key == SEED_KEY or not _known(runs, key):
+            continue
+        if len({r.facets.get(key) for r in runs}) < 2:
+            continue
+        seen: dict[tuple[str | None, ...], str | None] = {}
+        if all(
+            seen.setdefault(tuple(r.facets.get(k) for k in kept), r.facets.get(key))
+            == r.facets.get(key)
+            for r in runs
+        ):
+            continue  # the kept keys already determine it
+        kept.append(key)
+    return kept
+
+
+def _words(run: RunData, keys: list[str]) -> list[str]:
+    return [f"{k}={run.facets[k]}" for k in keys if k in run.facets]
+
+
+def label_runs(runs: list[RunData]) -> list[str]:
+    """Label = the label keys' values (and the seed); group = label without the seed. Returns
+    the label keys."""
     for run in runs:
-        own = [_display(o) for o in run.overrides if o not in shared]
-        run.label = " ".join(own) or run.name
-        run.group = " ".join(o for o in own if not SEED.match(o)) or "(all)"
+        run.facets = facets(run)
         run.values = {header: fn(run.histories) for header, fn in COLUMNS}
+    keys = label_keys(runs)
+    seeds = len({r.facets.get(SEED_KEY) for r in runs}) > 1
+    for run in runs:
+        group = _words(run, keys)
+        run.group = " ".join(group) or "(all)"
+        seed = _words(run, [SEED_KEY]) if seeds else []
+        run.label = " ".join(group + seed) or run.name
+    return keys
 
 
-def _display(override: str) -> str:
-    """`staleness='4'` (how the CLI hands numeric group choices to Hydra) shown as typed."""
-    key, sep, value = override.partition("=")
-    return f"{key}{sep}{_unquote(value)}"
+def facet_value(run: RunData, facet: str | None) -> str:
+    """The run's value of `--facet` (`staleness.k`, `algo`, or several: `experiment,trainer.lr`)
+    as shown in panel titles and the comparisons' first column; "" without a facet."""
+    if facet is None:
+        return ""
+    keys = [_key(k) for k in facet.split(",") if k.strip()]
+    values = [run.facets.get(k, "") for k in keys]
+    if len(keys) == 1:
+        return values[0]
+    return " ".join(f"{k}={v}" for k, v in zip(keys, values, strict=True))
+
+
+def check_facet(runs: list[RunData], facet: str, option: str = "--facet") -> None:
+    """A facet every run can say, else one line naming the runs that cannot and what they do
+    record."""
+    for key in (_key(k) for k in facet.split(",") if k.strip()):
+        if _known(runs, key) and any(key in r.facets for r in runs):
+            continue
+        blind = sorted(r.run_id[:12] for r in runs if key not in r.facets)
+        if any(key in r.facets for r in runs):
+            raise ReportError(
+                f"{option} {key}: not recorded by {len(blind)} run(s) ({', '.join(blind[:4])}"
+                f"{', ...' if len(blind) > 4 else ''}): a run started on its own records its "
+                "config, not the presets that made it; use a config key they record (e.g. "
+                "staleness.k, trainer.lr, algo) instead"
+            )
+        raise ReportError(f"{option} {key}: no run has it; keys that differ: {_differing(runs)}")
+
+
+def _differing(runs: list[RunData]) -> str:
+    return ", ".join(label_keys(runs)) or "(none)"
 
 
 def group_rows(runs: list[RunData]) -> list[tuple[str, int, dict[str, tuple[float, float] | None]]]:
@@ -254,7 +394,8 @@ def group_rows(runs: list[RunData]) -> list[tuple[str, int, dict[str, tuple[floa
     return out
 
 
-OUTCOMES = ("held-out final", "final reward", "final entropy")  # what --baseline compares
+OUTCOMES = ("held-out change", "held-out final", "final reward", "final entropy")
+"""What --baseline compares; "held-out change" (final - start) is study v3's primary outcome."""
 
 
 def permutation_p(a: list[float], b: list[float], *, samples: int = 20_000) -> float:
@@ -284,32 +425,51 @@ def permutation_p(a: list[float], b: list[float], *, samples: int = 20_000) -> f
 def comparisons_table(
     runs: list[RunData], baseline: str, facet: str | None = None
 ) -> tuple[list[str], list[list[str]]]:
-    """Each group against the baseline group (the one whose label holds the override
-    `baseline`) with the same facet value: seeds, mean difference and permutation p per outcome."""
-    if facet is not None and baseline.partition("=")[0].lstrip("+") == facet:
+    """Each group against the baseline group of its cell: the group whose runs hold the facet
+    `baseline` (`algo=grpo`) and agree with it on every other label key but the baseline's own
+    (`algo` and `algo.*`). Seeds, mean difference and permutation p per outcome. With `facet`,
+    its value is the first column (and a baseline on the facet's own key is refused)."""
+    key, sep, wanted = baseline.partition("=")
+    key = _key(key)
+    if not sep or not key:
+        raise ReportError(f"--baseline {baseline}: must be KEY=VALUE, e.g. algo=grpo")
+    facet_keys = [_key(k) for k in facet.split(",")] if facet else []
+    if key in facet_keys:
         raise ReportError(
             f"--baseline {baseline}: compares groups within one --facet {facet} value, so it "
             "must set another key (e.g. algo=grpo), or drop --facet"
         )
-    by_group: dict[tuple[str, str], list[RunData]] = {}
+    keys = label_runs(runs)
+    check_facet(runs, key, "--baseline")
+    cell_keys = [k for k in keys if not _same_setting(k, key, runs)]
+    by_group: dict[str, list[RunData]] = {}
     for run in runs:
-        by_group.setdefault((_facet_value(run, facet), run.group), []).append(run)
-    base_of = {
-        value: members
-        for (value, group), members in by_group.items()
-        if baseline in [_display(o) for o in group.split()]
-    }
+        by_group.setdefault(run.group, []).append(run)
+
+    def cell(members: list[RunData]) -> tuple[str | None, ...]:
+        return tuple(members[0].facets.get(k) for k in cell_keys)
+
+    base_of: dict[tuple[str | None, ...], list[RunData]] = {}
+    for group, members in by_group.items():
+        if all(m.facets.get(key) == canonical(wanted) for m in members):
+            other = base_of.setdefault(cell(members), members)
+            if other is not members:
+                raise ReportError(
+                    f"--baseline {baseline}: two groups have it in one cell ({other[0].group}; "
+                    f"{group}); name a narrower baseline"
+                )
     if not base_of:
-        groups = ", ".join(dict.fromkeys(g for _, g in by_group))
+        groups = ", ".join(by_group)
         raise ReportError(f"--baseline {baseline}: no group has it; groups: {groups}")
     header = [facet or "", "group", "vs", "seeds"]
     for outcome in OUTCOMES:
         header += [f"{outcome} diff", f"{outcome} p"]
     rows = []
-    for (value, group), members in by_group.items():
-        base = base_of.get(value)
+    for group, members in by_group.items():
+        base = base_of.get(cell(members))
         if base is None or base is members:
             continue
+        value = facet_value(members[0], facet)
         row = [value, _without(group, facet), _without(base[0].group, facet)]
         row.append(f"{len(members)} vs {len(base)}")
         for outcome in OUTCOMES:
@@ -321,11 +481,26 @@ def comparisons_table(
             diff = sum(a) / len(a) - sum(b) / len(b)
             row += [f"{diff:+.3f}", f"{permutation_p(a, b):.3f}"]
         rows.append(row)
-    if not rows:
+    if not rows and len(base_of) == len(by_group):
         raise ReportError(f"--baseline {baseline}: every group has it; nothing to compare")
+    if not rows:
+        raise ReportError(
+            f"--baseline {baseline}: no other group agrees with a baseline group on "
+            f"{', '.join(cell_keys)}; nothing to compare"
+        )
     if facet is None:
         header, rows = header[1:], [r[1:] for r in rows]
     return header, rows
+
+
+def _same_setting(key: str, baseline_key: str, runs: list[RunData]) -> bool:
+    """Whether `key` is part of what the baseline sets, so cells ignore it: the key itself, and
+    when it lies in a config group (`algo`, `algo.name`, `algo.loss`) the whole group, whose
+    other keys (algo.rho0, algo.eps_high) come with the choice."""
+    group = baseline_key.split(".")[0]
+    if any(f"{group}.name" in r.params for r in runs):
+        return key == group or key.startswith(group + ".")
+    return key == baseline_key
 
 
 def _fmt(value: float | None) -> str:
@@ -381,14 +556,6 @@ def _smooth(values: list[float], window: int) -> list[float]:
     return out
 
 
-def _facet_value(run: RunData, facet: str | None) -> str:
-    for o in run.overrides:
-        key, _, value = o.partition("=")
-        if facet is not None and key.lstrip("+") == facet:
-            return _unquote(value)
-    return ""
-
-
 def _line(ax: Any, members: list[RunData], key: str, color: Any, label: str) -> int:
     """Seed mean of the trailing-mean-smoothed runs (over the runs that reached each step), and a
     min-max band where two or more did. Returns the smoothing window."""
@@ -419,7 +586,7 @@ def plot(runs: list[RunData], out_dir: Path, facet: str | None = None) -> list[P
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    facets = list(dict.fromkeys(_facet_value(r, facet) for r in runs))
+    facets = list(dict.fromkeys(facet_value(r, facet) for r in runs))
     names = list(dict.fromkeys(_without(r.group, facet) for r in runs))
     colors = plt.get_cmap("tab10" if len(names) <= 10 else "tab20").colors
     color = {n: colors[i % len(colors)] for i, n in enumerate(names)}
@@ -440,7 +607,7 @@ def plot(runs: list[RunData], out_dir: Path, facet: str | None = None) -> list[P
                     members = [
                         r
                         for r in runs
-                        if _without(r.group, facet) == group and _facet_value(r, facet) == value
+                        if _without(r.group, facet) == group and facet_value(r, facet) == value
                     ]
                     window = max(window, _line(ax, members, key, color[group], group))
                 where = f"{facet}={value}: " if facet else ""
@@ -473,7 +640,8 @@ def _unquote(value: str) -> str:
 def _without(group: str, facet: str | None) -> str:
     if facet is None:
         return group
-    kept = [o for o in group.split() if o.partition("=")[0].lstrip("+") != facet]
+    keys = {_key(k) for k in facet.split(",")}
+    kept = [o for o in group.split() if o.partition("=")[0] not in keys]
     return " ".join(kept) or "(all)"
 
 
@@ -497,6 +665,8 @@ def write_report(
 ) -> Report:
     """Tables and plots into out_dir; logged to the runs' common parent run when there is one."""
     label_runs(runs)
+    if facet is not None:
+        check_facet(runs, facet)
     comparison = comparisons_table(runs, baseline, facet) if baseline else None
     out_dir.mkdir(parents=True, exist_ok=True)
     files = []
