@@ -263,3 +263,28 @@ def test_baseline_is_found_in_each_cell_of_the_other_facets(tmp_path: Path) -> N
         report.write_report(runs, tmp_path / "r", facet="trainer.lr,algo.rho")
     out = report.write_report(runs, tmp_path / "r", facet="trainer.lr,staleness.k")
     assert "comparisons.md" not in [p.name for p in out.files]
+
+
+def test_quadrant_table_and_mechanism_columns(tmp_path: Path) -> None:
+    runs = []
+    for seed, low_pos in ((0, 0.2), (1, 0.4)):
+        run = _run(f"algo=bapo trainer.seed={seed}", [0.1, 0.2, 0.3])
+        shares = {"high_pos": 0.1, "low_pos": low_pos, "high_neg": 0.2, "low_neg": 0.3}
+        for q, share in shares.items():
+            run.histories[f"tokens/quadrant_{q}_active_mass"] = [(1, share), (2, share)]
+            run.histories[f"tokens/quadrant_{q}_clipped_mass"] = [(1, 0.0), (2, 0.02)]
+        run.histories["response/length_mean"] = [(1, 30.0)] + [(s, 20.0) for s in range(2, 11)]
+        run.histories["bapo/rho_before"] = [(1, 0.35), (2, 0.37)]
+        runs.append(run)
+    out = report.write_report(runs, tmp_path / "r")
+    assert {"quadrants.md", "quadrants.csv"} <= {p.name for p in out.files}
+    header, rows = report.quadrant_table(runs)
+    (row,) = rows
+    assert row[header.index("low_pos active")] == "0.300"  # seed mean of 0.2 and 0.4
+    assert row[header.index("low_neg clipped")] == "0.010"  # mean over steps of 0, 0.02
+    # push: -high_pos + low_pos + high_neg - low_neg = -0.1 + 0.3 + 0.2 - 0.3
+    assert row[header.index("net entropy push")] == "+0.100"
+    assert runs[0].values["length start"] == pytest.approx(30.0)  # first 10% of 10 steps
+    assert runs[0].values["length final"] == pytest.approx(20.0)
+    assert runs[0].values["mean rho before"] == pytest.approx(0.36)
+    assert report.quadrant_table([_run("a=1", [0.1])]) is None

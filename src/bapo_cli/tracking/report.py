@@ -63,7 +63,14 @@ PLOTS: dict[str, tuple[str, ...]] = {
 METRICS = tuple(dict.fromkeys(k for keys in PLOTS.values() for k in keys)) + (
     "perf/step_s",
     "actor/rho",
+    "response/length_mean",
+    "response/clip_frac",
 )
+QUADRANTS = ("high_pos", "low_pos", "high_neg", "low_neg")  # diagnostics.QUADRANT_KEYS' order
+ENTROPY_EFFECT = {"high_pos": -1, "low_pos": +1, "high_neg": +1, "low_neg": -1}
+"""Sign of an active token's first-order effect on entropy (algos.diagnostics.ENTROPY_EFFECT,
+restated so the report does not import torch)."""
+QUADRANT_KEY = re.compile(r"^tokens/quadrant_(high|low)_(pos|neg)_(active|clipped)_mass$")
 
 VAL_KEY = re.compile(r"^val/.+/avg_at_\d+$")  # the held-out outcome `trainer.val_every` logs
 
@@ -80,13 +87,18 @@ COLUMNS = (  # (header, function of a run's histories)
     ("held-out change", lambda h: _change(_val(h, 0), _val(h, -1))),
     ("final reward", lambda h: _tail_mean(h.get("reward/mean"))),
     ("best reward", lambda h: max((v for _, v in h.get("reward/mean", [])), default=None)),
+    ("start entropy", lambda h: _head_mean(h.get("actor/entropy"))),
     ("final entropy", lambda h: _tail_mean(h.get("actor/entropy"))),
     ("mean c_low", lambda h: _mean(h.get("actor/c_low"))),
     ("mean c_high", lambda h: _mean(h.get("actor/c_high"))),
     ("start rho", lambda h: _head_mean(h.get("actor/rho"))),
+    ("mean rho before", lambda h: _mean(h.get("bapo/rho_before"))),
     ("mean rho", lambda h: _mean(h.get("bapo/rho"))),
     ("clipfrac low", lambda h: _mean(h.get("actor/clipfrac_low"))),
     ("clipfrac high", lambda h: _mean(h.get("actor/clipfrac_high"))),
+    ("length start", lambda h: _head_mean(h.get("response/length_mean"))),
+    ("length final", lambda h: _tail_mean(h.get("response/length_mean"))),
+    ("budget hit final", lambda h: _tail_mean(h.get("response/clip_frac"))),
     ("step s", lambda h: _mean(h.get("perf/step_s"))),
 )
 SEED_KEY = "trainer.seed"  # what varies within a group
@@ -201,7 +213,7 @@ def _run_data(client: Any, run: Any) -> RunData:
     tags = run.data.tags
     histories = {}
     for key in run.data.metrics:
-        if key in METRICS or VAL_KEY.match(key):
+        if key in METRICS or VAL_KEY.match(key) or QUADRANT_KEY.match(key):
             points = sorted(
                 (m.step, m.value) for m in client.get_metric_history(run.info.run_id, key)
             )
@@ -503,6 +515,42 @@ def _same_setting(key: str, baseline_key: str, runs: list[RunData]) -> bool:
     return key == baseline_key
 
 
+def quadrant_table(runs: list[RunData]) -> tuple[list[str], list[list[str]]] | None:
+    """The Entropy-Clip quadrant table per group (None when no run logged it): the share of the
+    update's loss mass r|A| that active and clipped tokens carry in each quadrant (probability
+    above / below the batch mean, advantage sign), mean over steps then over seeds; and the net
+    first-order entropy push of the active mass (sum of ENTROPY_EFFECT x share: > 0 raises
+    entropy, < 0 lowers it; clipped tokens push nothing)."""
+    if not any(QUADRANT_KEY.match(k) for r in runs for k in r.histories):
+        return None
+    header = ["group", "seeds"]
+    header += [f"{q} {state}" for q in QUADRANTS for state in ("active", "clipped")]
+    header.append("net entropy push")
+    groups: dict[str, list[RunData]] = {}
+    for run in runs:
+        groups.setdefault(run.group, []).append(run)
+    rows = []
+    for group, members in groups.items():
+        cells: list[str] = []
+        push = []
+        for q in QUADRANTS:
+            for state in ("active", "clipped"):
+                per_run = [
+                    _mean(m.histories.get(f"tokens/quadrant_{q}_{state}_mass")) for m in members
+                ]
+                values = [v for v in per_run if v is not None]
+                cells.append(_fmt(sum(values) / len(values) if values else None))
+        for m in members:
+            shares = [_mean(m.histories.get(f"tokens/quadrant_{q}_active_mass")) for q in QUADRANTS]
+            if all(v is not None for v in shares):
+                push.append(
+                    sum(ENTROPY_EFFECT[q] * v for q, v in zip(QUADRANTS, shares, strict=True))
+                )
+        cells.append(f"{sum(push) / len(push):+.3f}" if push else "")
+        rows.append([group, str(len(members)), *cells])
+    return header, rows
+
+
 def _fmt(value: float | None) -> str:
     return "" if value is None else f"{value:.3f}"
 
@@ -687,6 +735,11 @@ def write_report(
         (out_dir / "comparisons.md").write_text(markdown(*comparison), encoding="utf-8")
         _write_csv(out_dir / "comparisons.csv", *comparison)
         files += [out_dir / "comparisons.md", out_dir / "comparisons.csv"]
+    quadrants = quadrant_table(runs)
+    if quadrants is not None:
+        (out_dir / "quadrants.md").write_text(markdown(*quadrants), encoding="utf-8")
+        _write_csv(out_dir / "quadrants.csv", *quadrants)
+        files += [out_dir / "quadrants.md", out_dir / "quadrants.csv"]
     files += plot(runs, out_dir, facet)
     parents = {r.parent_id for r in runs}
     parent = parents.pop() if len(parents) == 1 else None
