@@ -261,7 +261,7 @@ def _compose_checked(config_name: str, overrides: list[str]) -> Any:
 
     redact.remember_tree(dataclasses.asdict(config))  # resolved values: ${oc.env:...} URIs
     if isinstance(config, schema.TrainConfig):
-        line = step_work_error(config) or step_memory_error(config, machine_memory_bytes())
+        line = step_memory_error(config, machine_memory_bytes()) or step_work_error(config)
         if line is not None:
             raise PreflightError(line)
     reward = getattr(config, "reward", None)
