@@ -25,6 +25,7 @@ def test_free_cores_is_what_the_load_leaves_at_least_one(cores: int, load: float
     assert threads.free_cores(cores, load) == free
 
 
+@pytest.mark.slow  # starts processes
 def test_busy_loops_that_just_started_leave_one_thread() -> None:
     """Real CPU-bound processes, one per usable core: the choice sees them at once (runnable
     now), a minute before the load average would."""
@@ -64,6 +65,7 @@ def _env_after_import(**env: str) -> str:
     return done.stdout.strip()
 
 
+@pytest.mark.slow  # starts processes
 def test_importing_the_package_makes_openmp_waits_sleep_unless_told_otherwise() -> None:
     assert _env_after_import() == "PASSIVE 0"
     assert _env_after_import(OMP_WAIT_POLICY="ACTIVE") == "ACTIVE 0"

@@ -63,6 +63,7 @@ def test_the_issue_case_warns_before_and_during_the_run_and_counts_ungradeable(
     assert f"reward.fn={PLAIN_REWARD_FN}" in during[0]
 
 
+@pytest.mark.slow  # reward=python grades in worker processes
 def test_the_advised_fix_trains_with_a_signal(tmp_path: Path) -> None:
     data = _mine(tmp_path)
     result, out = _train(
