@@ -14,8 +14,12 @@ DESIGN = REPO / "docs" / "study-v3.md"
 
 
 def _sweeps() -> list[list[str]]:
-    """The `bapo train -m ...` lines of the design, as override lists."""
-    lines = re.findall(r"^bapo train -m (.+)$", DESIGN.read_text(), flags=re.MULTILINE)
+    """The `bapo train -m ...` lines of the design's Commands section, as override lists (the
+    results, added later, may quote them again)."""
+    text = DESIGN.read_text()
+    start = text.index("## Commands, in this order")
+    section = text[start : text.index("\n## ", start + 1)]
+    lines = re.findall(r"^bapo train -m (.+)$", section, flags=re.MULTILINE)
     return [shlex.split(line) for line in lines]
 
 
