@@ -60,6 +60,11 @@ def test_wheel_install_ships_configs_and_works_from_another_directory(tmp_path: 
         timeout=300,
     )
     assert (target / "bapo_cli" / "conf" / "train.yaml").is_file()
+    for name in ("tiny", "tiny_pairs"):  # the shipped warmed-up models (models/release.py)
+        weights = target / "bapo_cli" / "models" / "weights" / name
+        assert {"model.safetensors", "tokenizer.json", "build_info.json"} <= {
+            p.name for p in weights.iterdir()
+        }
     shipped = target / "bapo_cli" / "data" / "benchmarks"
     assert sorted(p.name for p in shipped.iterdir()) == [
         "SOURCES.md",
@@ -71,7 +76,9 @@ def test_wheel_install_ships_configs_and_works_from_another_directory(tmp_path: 
             sys.executable,
             "-c",
             "import bapo_cli; from bapo_cli.config.hydra_runner import config_dir; "
-            "print(bapo_cli.__file__); print(config_dir())",
+            "from bapo_cli.models import tiny; from bapo_cli.config.schema import TinyModelConfig; "
+            "print(bapo_cli.__file__); print(config_dir()); "
+            "print(tiny.ensure_tiny(TinyModelConfig()))",
         ],
         cwd=tmp_path,
         env=env,
@@ -81,6 +88,7 @@ def test_wheel_install_ships_configs_and_works_from_another_directory(tmp_path: 
     ).stdout.split()
     assert Path(where[0]).is_relative_to(target)
     assert Path(where[1]) == target / "bapo_cli" / "conf"
+    assert Path(where[2]) == target / "bapo_cli" / "models" / "weights" / "tiny"  # no build
     # a shipped benchmark loads from the installed wheel, by its preset, with no network
     loaded = subprocess.run(
         [

@@ -90,7 +90,7 @@ RULES = [
     (["model.device=tpu"], "model.device=tpu", "auto, cpu, cuda"),
     (["model=qwen2.5-math-1.5b", "model.path=tiny"], "model.tiny", "model=tiny"),
     (["model.tiny.num_kv_heads=3"], "model.tiny.num_kv_heads=3", "divide num_heads"),
-    (["model.tiny.sft_target_acc=1.5"], "model.tiny.sft_target_acc=1.5", "(0, 1)"),
+    (["model.tiny.sft_steps=0"], "model.tiny.sft_steps=0", "> 0"),
     (["data.kind=dataset"], "data.path", "data.path or data.hf_id"),
     (["data.template=no-placeholder"], "data.template=no-placeholder", "{problem}"),
     (["tracking.backends=[comet]"], "tracking.backends=comet", "mlflow, wandb, tensorboard"),

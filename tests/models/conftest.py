@@ -1,4 +1,7 @@
-"""One tiny model built per test session (a low warm-up target keeps it to seconds)."""
+"""One small tiny model built per test session (40 warm-up steps: seconds), for the build tests.
+
+Tests that need the warmed-up presets load the shipped ones (`models/weights/<name>/`) instead.
+"""
 
 from __future__ import annotations
 
@@ -11,10 +14,12 @@ import pytest
 from bapo_cli.config.schema import TinyModelConfig
 from bapo_cli.models.tiny import ensure_tiny
 
+BUILD_STEPS = 40
+
 
 def _tiny_settings(**overrides) -> TinyModelConfig:
-    """The default shape with the prototype's 0.31M parameters and a test-sized warm-up target."""
-    return TinyModelConfig(**{"intermediate_size": 256, "sft_target_acc": 0.05, **overrides})
+    """The default shape with the prototype's 0.31M parameters and a test-sized warm-up."""
+    return TinyModelConfig(**{"intermediate_size": 256, "sft_steps": BUILD_STEPS, **overrides})
 
 
 @pytest.fixture(scope="session")

@@ -18,12 +18,12 @@ from bapo_cli.models import tiny
 ATTEMPTS = re.compile(r"([0-9]\+[0-9]=[0-9]{1,2}[<>]){2}")
 
 
-def test_default_cache_key_is_unchanged_by_the_task_setting() -> None:
-    """Keys computed before `task` existed (all arith) still name their cache entries."""
-    assert tiny.build_key(TinyModelConfig()) == "39444889d4a609a0"
-    assert tiny.build_key(TinyModelConfig(task="arith")) == "39444889d4a609a0"
-    assert tiny.build_key(preflight("train", []).config.model.tiny) == "39444889d4a609a0"
-    assert tiny.build_key(TinyModelConfig(task="pairs")) != "39444889d4a609a0"
+def test_the_task_setting_enters_the_key() -> None:
+    """The schema's defaults are the default preset's (model=tiny): the same key."""
+    default = tiny.build_key(TinyModelConfig())
+    assert tiny.build_key(TinyModelConfig(task="arith")) == default
+    assert tiny.build_key(preflight("train", []).config.model.tiny) == default
+    assert tiny.build_key(TinyModelConfig(task="pairs")) != default
 
 
 def test_task_setting_is_validated() -> None:
@@ -31,7 +31,7 @@ def test_task_setting_is_validated() -> None:
     with pytest.raises(ConfigError, match="task=nope: must be one of arith, pairs"):
         TinyModelConfig(task="nope").check()
     preset = preflight("train", ["model=tiny_pairs"]).config.model
-    assert (preset.tiny.task, preset.tiny.sft_target_acc) == ("pairs", 0.2)
+    assert (preset.tiny.task, preset.tiny.sft_steps) == ("pairs", 1000)
     assert preset.name == "tiny_pairs" and preset.max_model_len == 96
 
 
@@ -67,9 +67,7 @@ def test_pairs_sft_batch_is_a_search_trace_cut_at_the_budget() -> None:
 
 def test_pairs_warm_up_learns_the_format(tmp_path) -> None:
     """A short warm-up (seconds): greedy answers are already lists of attempts."""
-    cfg = TinyModelConfig(
-        task="pairs", sft_max_steps=150, sft_batch_size=64, sft_lr=1e-3, sft_target_acc=0.9
-    )
+    cfg = TinyModelConfig(task="pairs", sft_steps=150, sft_batch_size=64, sft_lr=1e-3)
     directory = tiny.ensure_tiny(cfg, cache_dir=tmp_path, progress=False)
     from transformers import AutoModelForCausalLM
 

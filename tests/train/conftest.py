@@ -1,4 +1,4 @@
-"""Training tests run the real loop on the real tiny model (built once, cached like a user's)."""
+"""Training tests run the real loop on the real tiny model (the shipped weights, as a user's)."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ def run_train(tmp_path: Path, *overrides: str, name: str = "run") -> TrainResult
 
 @pytest.fixture(scope="session", autouse=True)
 def _tiny_model_built() -> None:
-    """Build (or find) the tiny model once, before any test times itself."""
+    """Find the tiny model (shipped: no build) before any test times itself."""
     from bapo_cli.models import tiny
 
     tiny.ensure_tiny(preflight("train", []).config.model.tiny, progress=False)

@@ -1,11 +1,10 @@
 """Every `experiment=` preset composes, validates and trains for one real step.
 
 Each preset is trained as written, shrunk only in size: one step, 8 prompts × 4 samples, the
-transformers engine and no tracking (`SHRINK`). Two presets need more than that here:
+transformers engine and no tracking (`SHRINK`). `pairs` and the study presets name
+`model=tiny_pairs`, whose warmed-up weights ship with the package (no build). One preset needs
+more than that here:
 
-- `pairs` names `model=tiny_pairs`, whose warm-up (up to 3000 SFT steps to 20% held-out accuracy)
-  takes minutes the first time; `model.tiny.sft_max_steps=10` builds a 10-step warm-up instead
-  (cached under its own settings hash), enough to train one step on the pair task.
 - `paper_1p5b` names a 1.5B hub model and the DeepScaleR hub dataset, neither of which can be
   downloaded in CI. Its own config is composed, validated and planned unchanged (`bapo train`'s
   plan table); the step then runs with the tiny model, a local prompt file in the same
@@ -54,7 +53,6 @@ def _paper_data(tmp_path: Path) -> list[str]:
 
 
 EXTRA = {
-    "pairs": lambda tmp_path: ["model.tiny.sft_max_steps=10"],
     "paper_1p5b": _paper_data,
 }
 

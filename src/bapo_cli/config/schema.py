@@ -61,12 +61,11 @@ class TinyModelConfig:
     num_kv_heads: int = opt(1, "key/value heads (grouped-query attention)")
     head_dim: int = opt(64, "per-head width; 64 because vLLM's CPU attention rejects 16")
     intermediate_size: int = opt(256, "MLP width")
-    sft_target_acc: float = opt(
-        0.25, "warm-up SFT stops at this held-out greedy accuracy (weak but non-zero start)"
+    sft_steps: int = opt(
+        480, "warm-up SFT steps, exactly (a step count, not an accuracy target: reproducible)"
     )
     sft_lr: float = opt(2e-3, "learning rate of the warm-up SFT")
     sft_batch_size: int = opt(256, "sequences per warm-up SFT step")
-    sft_max_steps: int = opt(5000, "hard cap on warm-up SFT steps")
     seed: int = opt(0, "seed of initialisation and warm-up data")
     task: str = opt(
         "arith",
@@ -82,14 +81,15 @@ class TinyModelConfig:
         _positive("intermediate_size", self.intermediate_size)
         if self.num_heads % self.num_kv_heads:
             raise ConfigError("num_kv_heads", self.num_kv_heads, "must divide num_heads")
-        if not 0.0 < self.sft_target_acc < 1.0:
-            raise ConfigError("sft_target_acc", self.sft_target_acc, "must be within (0, 1)")
+        _positive("sft_steps", self.sft_steps)
         _positive("sft_lr", self.sft_lr)
         _positive("sft_batch_size", self.sft_batch_size)
-        _positive("sft_max_steps", self.sft_max_steps)
 
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+DEVICES = ("auto", "cpu", "cuda")
+
+
 @dataclass
 class LoraConfig:
     """LoRA adapters (PEFT) instead of full fine-tuning; dropout is always 0 (RL scores the

@@ -1,10 +1,18 @@
 """The tiny model: a ~0.3M-parameter Qwen2 built locally and warmed up on a synthetic task.
 
-`bapo train` (model=tiny) needs no download: `ensure_tiny` builds a character-level tokenizer and a
-small Qwen2 (head_dim 64, since vLLM's CPU attention rejects 16), then runs a short supervised
-warm-up on the task `model.tiny.task` names until greedy accuracy on a fixed held-out set reaches
-`sft_target_acc` -- a weak but non-zero start, like the SFT checkpoints the paper starts RL from.
-Stopping at a target accuracy, not after a time budget, gives the same checkpoint on any machine.
+`bapo train` (model=tiny) needs no download: the presets `model=tiny` and `model=tiny_pairs` load
+warmed-up weights that ship inside the package (`models/weights/<name>/`, made by
+`python -m bapo_cli.models.release build <name>`, recorded in its `build_info.json`). Any other
+settings are built on first use: `ensure_tiny` builds a character-level tokenizer and a small
+Qwen2 (head_dim 64, since vLLM's CPU attention rejects 16), then runs a supervised warm-up of
+exactly `sft_steps` steps on the task `model.tiny.task` names -- a weak but non-zero start, like the
+SFT checkpoints the paper starts RL from.
+
+The warm-up stops by step count, never by an accuracy threshold or a time budget: it once stopped
+at the first held-out check reaching a target accuracy, and a threshold on a noisy measurement
+turns tiny floating-point differences between machines into a different stopping step (1,000
+steps here, 1,600 elsewhere for the same config) and so a different model. Held-out greedy
+accuracy is still measured every `eval_every` steps, for the record only.
 
     task=arith   (default) `data.tasks.ArithTask`: prompt "37+45=", target the answer "82"
     task=pairs   `data.pairs.PairTask`: prompt "318596:?+?=12!", target a random-order search
@@ -12,14 +20,18 @@ Stopping at a target accuracy, not after a time budget, gives the same checkpoin
                  the sums and when to stop, not which pair to try first (model=tiny_pairs)
 
 The result is an ordinary HF directory (config.json, model.safetensors, tokenizer.json, ...), so
-`AutoModelForCausalLM` / `AutoTokenizer` and vLLM load it like any other model. It is cached under
+`AutoModelForCausalLM` / `AutoTokenizer` and vLLM load it like any other model. A built one is
+cached under
 
     $BAPO_CACHE_DIR/tiny/<key>      (default root: $XDG_CACHE_HOME/bapo-cli or ~/.cache/bapo-cli)
 
-where <key> hashes the settings and `BUILD_VERSION`; a missing entry is rebuilt, deterministically
-on CPU (same settings, same torch and thread count -> the same weights bit for bit). The build runs
-in a temporary sibling that is renamed into place after `COMPLETE_MARKER` is written, under a file
-lock, so a kill or two concurrent builds never leave a half-written entry.
+where <key> hashes the settings and `BUILD_VERSION`; a missing entry is rebuilt. The build is
+deterministic for its settings on one machine (one torch thread, deterministic algorithms, fixed
+seeds): same settings, torch and CPU kernels -> the same weights bit for bit. Across machines the
+CPU kernels (MKL's GEMM, torch's vectorised reductions chosen by instruction set) round
+differently; `models/release.py` pins them for the shipped builds. The build runs in a temporary
+sibling that is renamed into place after `COMPLETE_MARKER` is written, under a file lock, so a kill
+or two concurrent builds never leave a half-written entry.
 
 The tokenizer prepends <bos> itself (its post-processor), so HF and vLLM, both encoding the prompt
 text with special tokens, see the same ids.
@@ -52,11 +64,14 @@ from bapo_cli.data.pairs import (
 )
 from bapo_cli.data.tasks import ARITH_TEMPLATE, ArithTask, Problem
 
-BUILD_VERSION = 1
-"""Bump when the architecture, tokenizer or warm-up recipe changes: old cache entries go stale."""
+BUILD_VERSION = 2
+"""Bump when the architecture, tokenizer or warm-up recipe changes: old cache entries go stale.
+2: the warm-up runs exactly `sft_steps` (1 stopped at a held-out accuracy target)."""
 
 COMPLETE_MARKER = "COMPLETE"
 BUILD_INFO = "build_info.json"
+SHIPPED_ROOT = Path(__file__).resolve().parent / "weights"
+"""The warmed-up builds that ship with the package, one directory per preset name."""
 SPECIAL_TOKENS = ("<pad>", "<bos>", "<eos>", "<unk>")
 PAD_ID, BOS_ID, EOS_ID, UNK_ID = range(4)
 VOCAB_SIZE = len(SPECIAL_TOKENS) + 256
@@ -94,10 +109,10 @@ class WarmupTask:
     correct: Callable[[str, str], bool]
     """(answer text up to <eos>, reference answer) -> right?"""
     eval_every: int
-    """Warm-up steps between accuracy checks (a check is also the only place the warm-up stops)."""
+    """Warm-up steps between held-out accuracy checks (recorded; they never stop the warm-up)."""
     kv_cache: bool
-    """Decode with a KV cache. arith keeps the full re-forward it was built with, so its
-    checkpoints (and cache keys) stay bit-identical; pairs' 48-token answers need the cache."""
+    """Decode with a KV cache. arith keeps the full re-forward its recorded accuracies were
+    measured with; pairs' 48-token answers need the cache."""
 
 
 WARMUP_TASKS: dict[str, WarmupTask] = {
@@ -203,15 +218,25 @@ def settings_of(cfg: Any) -> dict[str, Any]:
 
 
 def build_key(cfg: Any) -> str:
-    """Cache key: a hash of every tiny setting and `BUILD_VERSION`.
-
-    `task` enters only when it is not the default (arith), so the keys of the models built before
-    the setting existed -- all arith -- still name their cache entries."""
-    settings = settings_of(cfg)
-    if settings.get("task", DEFAULT_TASK) == DEFAULT_TASK:
-        settings.pop("task", None)
-    blob = json.dumps({"build_version": BUILD_VERSION, **settings}, sort_keys=True)
+    """Cache key: a hash of every tiny setting and `BUILD_VERSION` (also what names a shipped
+    build: a preset loads the shipped weights only while its settings are exactly theirs)."""
+    blob = json.dumps({"build_version": BUILD_VERSION, **settings_of(cfg)}, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def shipped_builds(root: Path = SHIPPED_ROOT) -> dict[str, Path]:
+    """build key -> directory of every warmed-up build shipped under `root` (not the hidden
+    temporary folder of a rebuild in progress)."""
+    out = {}
+    for info in sorted(root.glob(f"*/{BUILD_INFO}")):
+        if not info.parent.name.startswith("."):
+            out[json.loads(info.read_text())["key"]] = info.parent
+    return out
+
+
+def shipped_dir(cfg: Any, root: Path = SHIPPED_ROOT) -> Path | None:
+    """The shipped build of exactly these settings, if one ships (else None: build it)."""
+    return shipped_builds(root).get(build_key(cfg))
 
 
 def cache_root(cache_dir: Path | None = None) -> Path:
@@ -258,11 +283,15 @@ def build_config(cfg: Any) -> Any:
 def ensure_tiny(cfg: Any, *, cache_dir: Path | None = None, progress: bool = True) -> Path:
     """The directory of the warmed-up tiny model for `cfg` (a `TinyModelConfig`), built if missing.
 
-    A complete cache entry returns at once; otherwise the model is built under a file lock (a
-    second process waits and then finds it built) and moved into place only when complete.
+    The shipped build of these settings (`model=tiny`, `model=tiny_pairs`) returns at once, as
+    does a complete cache entry; otherwise the model is built under a file lock (a second process
+    waits and then finds it built) and moved into place only when complete.
     """
     from filelock import FileLock
 
+    shipped = shipped_dir(cfg)
+    if shipped is not None:
+        return shipped
     final = tiny_dir(cfg, cache_dir)
     if is_complete(final):
         return final
@@ -282,12 +311,19 @@ def ensure_tiny(cfg: Any, *, cache_dir: Path | None = None, progress: bool = Tru
 
 
 def build_tiny(cfg: Any, directory: Path, *, progress: bool = True) -> dict[str, Any]:
-    """Initialise, warm up and save the tiny model into `directory`; returns the build info."""
+    """Initialise, warm up and save the tiny model into `directory`; returns the build info.
+
+    One torch thread (a reduction split over threads sums in another order) and deterministic
+    algorithms, both restored afterwards: the weights then depend on the settings, torch and the
+    CPU's kernels, not on the core count or the load."""
     threads = torch.get_num_threads()
+    deterministic = torch.are_deterministic_algorithms_enabled()
     torch.set_num_threads(BUILD_THREADS)
+    torch.use_deterministic_algorithms(True)
     try:
         return _build(cfg, directory, progress=progress)
     finally:
+        torch.use_deterministic_algorithms(deterministic)
         torch.set_num_threads(threads)
 
 
@@ -305,23 +341,21 @@ def _build(cfg: Any, directory: Path, *, progress: bool) -> dict[str, Any]:
     model.generation_config.update(bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID)
     result = warm_up(model, tokenizer, cfg, progress=progress)
     seconds = time.perf_counter() - started
+    import transformers
+
     info = {
+        "key": build_key(cfg),
         "settings": s,
         "build_version": BUILD_VERSION,
         "parameters": sum(p.numel() for p in model.parameters()),
         "seconds": round(seconds, 2),
         "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "threads": BUILD_THREADS,
+        "deterministic_algorithms": True,
         **result,
     }
-    if not result["target_reached"]:
-        log.warning(
-            "tiny model: warm-up stopped at sft_max_steps=%d with held-out accuracy %.3f < "
-            "sft_target_acc=%.3f",
-            s["sft_max_steps"],
-            result["accuracy"],
-            s["sft_target_acc"],
-        )
     directory.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(directory, safe_serialization=True)
     tokenizer.save_pretrained(directory)
@@ -416,10 +450,10 @@ def _greedy(model: Any, seqs: torch.Tensor, spec: WarmupTask) -> list[list[int]]
 
 
 def warm_up(model: Any, tokenizer: Any, cfg: Any, *, progress: bool = True) -> dict[str, Any]:
-    """Supervised warm-up until held-out greedy accuracy >= sft_target_acc (or sft_max_steps).
+    """Supervised warm-up of exactly `sft_steps` steps (see the module docstring for why).
 
-    Returns steps, accuracy reached, whether the target was reached, seconds per step and the
-    accuracy history [(step, acc), ...].
+    Returns steps, the final held-out greedy accuracy, seconds per step and the accuracy history
+    [(step, acc), ...] (checked every `eval_every` steps and after the last).
     """
     s = settings_of(cfg)
     name = s.get("task", DEFAULT_TASK)
@@ -428,13 +462,13 @@ def warm_up(model: Any, tokenizer: Any, cfg: Any, *, progress: bool = True) -> d
     held_out = task.held_out(EVAL_SIZE)
     rng = random.Random(s["seed"])
     optimizer = torch.optim.AdamW(model.parameters(), lr=s["sft_lr"])
-    target, max_steps = s["sft_target_acc"], s["sft_max_steps"]
+    steps = s["sft_steps"]
     history: list[tuple[int, float]] = []
     acc, loss_value, step = 0.0, float("nan"), 0
     train_seconds = 0.0
     model.train()
-    with _progress(progress, target) as update:
-        while step < max_steps:
+    with _progress(progress, steps) as update:
+        while step < steps:
             t0 = time.perf_counter()
             ids, labels = _sft_batch(tokenizer, task.sample(s["sft_batch_size"], rng), spec, rng)
             loss = model(input_ids=ids, labels=labels, use_cache=False).loss
@@ -445,17 +479,14 @@ def warm_up(model: Any, tokenizer: Any, cfg: Any, *, progress: bool = True) -> d
             train_seconds += time.perf_counter() - t0
             step += 1
             loss_value = loss.item()
-            if step % spec.eval_every == 0 or step == max_steps:
+            if step % spec.eval_every == 0 or step == steps:
                 acc = greedy_accuracy(model, tokenizer, held_out, name)
                 history.append((step, acc))
             update(step, loss_value, acc)
-            if history and history[-1][0] == step and acc >= target:
-                break
     model.eval()
     return {
         "steps": step,
         "accuracy": acc,
-        "target_reached": acc >= target,
         "final_loss": round(loss_value, 4),
         "ms_per_step": round(1000 * train_seconds / max(step, 1), 1),
         "history": history,
@@ -463,33 +494,38 @@ def warm_up(model: Any, tokenizer: Any, cfg: Any, *, progress: bool = True) -> d
 
 
 class _progress:
-    """A rich progress bar towards the target accuracy (or nothing when disabled)."""
+    """A rich progress bar over the warm-up's steps (or nothing when disabled)."""
 
-    def __init__(self, enabled: bool, target: float) -> None:
-        self.enabled, self.target = enabled, target
+    def __init__(self, enabled: bool, steps: int) -> None:
+        self.enabled, self.steps = enabled, steps
         self.bar: Any = None
 
     def __enter__(self):
         if not self.enabled:
             return lambda step, loss, acc: None
         from rich.console import Console
-        from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+        from rich.progress import (
+            BarColumn,
+            Progress,
+            TextColumn,
+            TimeElapsedColumn,
+            TimeRemainingColumn,
+        )
 
         self.bar = Progress(
             TextColumn("building tiny model: warm-up"),
             BarColumn(),
-            TextColumn("acc {task.fields[acc]:.2f}/{task.fields[target]:.2f}"),
-            TextColumn("step {task.fields[step]}  loss {task.fields[loss]:.3f}"),
+            TextColumn("step {task.completed:.0f}/{task.total:.0f}"),
+            TextColumn("held-out acc {task.fields[acc]:.2f}  loss {task.fields[loss]:.3f}"),
             TimeElapsedColumn(),
+            TimeRemainingColumn(),
             console=Console(stderr=True),
         )
         self.bar.start()
-        task = self.bar.add_task(
-            "sft", total=self.target, acc=0.0, target=self.target, step=0, loss=float("nan")
-        )
+        task = self.bar.add_task("sft", total=self.steps, acc=0.0, loss=float("nan"))
 
         def update(step: int, loss: float, acc: float) -> None:
-            self.bar.update(task, completed=min(acc, self.target), acc=acc, step=step, loss=loss)
+            self.bar.update(task, completed=step, acc=acc, loss=loss)
 
         return update
 
