@@ -43,6 +43,9 @@ class Bapo:
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
+            # a test run started in the background inherits SIGINT ignored (POSIX shells do that
+            # to background jobs), and so would the child: it must see Ctrl-C as a terminal does
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
         )
         self.lines: list[str] = []
         self._reader = threading.Thread(target=self._read, daemon=True)
@@ -56,11 +59,16 @@ class Bapo:
         deadline = time.monotonic() + timeout_s
         while not any(text in line for line in self.lines):
             if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.proc.kill()
                 raise AssertionError(f"no line with {text!r}; output:\n" + self.output())
             time.sleep(0.05)
 
     def finish(self, timeout_s: float = 120) -> int:
-        code = self.proc.wait(timeout_s)
+        try:
+            code = self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()  # a failed test leaves no training process behind
+            raise
         self._reader.join(10)
         return code
 

@@ -135,7 +135,11 @@ def _resume_command(run_dir: Path) -> str:
     from bapo_cli.config import hydra_runner
 
     root = next(
-        (o.partition("=")[2] for o in HydraConfig.get().overrides.task if o.startswith("paths.")),
+        (
+            o.partition("=")[2]
+            for o in HydraConfig.get().overrides.task
+            if o.startswith("paths.output_root=")
+        ),
         None,
     )
     default_root = hydra_runner.normalize_overrides([])[-1].partition("=")[2]
