@@ -220,6 +220,18 @@ def test_facets_label_runs_from_sweeps_and_from_single_runs_alike() -> None:
         "algo=bapo algo.rho0=0.5 staleness.k=8 trainer.seed=0",
         "algo=grpo staleness.k=1 trainer.seed=2",
     ]
+    # presets label, configs decide: the same config typed as staleness=8 in one sweep and as
+    # an experiment preset in another is one group; a preset name the configs determine labels
+    mixed = [
+        _cfg_run("grpo", "0.0003", 0, 0.3, typed="staleness=8 trainer.seed=0"),
+        _cfg_run("grpo", "0.0003", 1, 0.3, typed="experiment=study_v3_reuse8 trainer.seed=1"),
+        _cfg_run("grpo", "0.0003", 2, 0.3, k="1", typed="experiment=study_v3_reuse1"),
+    ]
+    report.label_runs(mixed)
+    assert [r.group for r in mixed] == ["staleness.k=8", "staleness.k=8", "staleness.k=1"]
+    named = [mixed[1], mixed[2]]
+    report.label_runs(named)
+    assert [r.group for r in named] == ["experiment=study_v3_reuse8", "experiment=study_v3_reuse1"]
     assert report.canonical("1e-4") == report.canonical("0.0001") == "0.0001"
     assert report.canonical("'8'") == report.canonical("8.0") == "8"
     assert report.canonical("True") == "true"

@@ -307,10 +307,18 @@ def _known(runs: list[RunData], key: str) -> bool:
 def label_keys(runs: list[RunData]) -> list[str]:
     """The facet keys that label the runs: those whose values differ between them (the seed
     aside), in `facets` order, each kept only when the keys kept before it do not already
-    determine it (e.g. `staleness.k` once `experiment` is kept, `algo.loss` once `algo` is)."""
+    determine it (e.g. `staleness.k` once `experiment` is kept, `algo.loss` once `algo` is).
+
+    Presets label, configs decide: a key only typed overrides name (`experiment`, `staleness`)
+    is kept only when the recorded configs determine it, so two runs of the same config typed
+    differently (`staleness=8` in one sweep, `experiment=...` setting k = 8 in another, or a
+    run started on its own) stay one group."""
     every = list(dict.fromkeys(k for r in runs for k in r.facets))
     typed = {_key(o.partition("=")[0]) for r in runs for o in r.overrides or []}
     aliases = {k for k in every if any(f"{k}.name" in r.params for r in runs)}
+    config = [
+        k for k in every if k != SEED_KEY and (k in aliases or any(k in r.params for r in runs))
+    ]
     sections = list(dict.fromkeys(k.split(".")[0] for k in every))
     order = sorted(  # typed, then group choices, then config keys section by section
         every,
@@ -322,15 +330,22 @@ def label_keys(runs: list[RunData]) -> list[str]:
             continue
         if len({r.facets.get(key) for r in runs}) < 2:
             continue
-        seen: dict[tuple[str | None, ...], str | None] = {}
-        if all(
-            seen.setdefault(tuple(r.facets.get(k) for k in kept), r.facets.get(key))
-            == r.facets.get(key)
-            for r in runs
-        ):
+        if config and key not in config and not _determines(runs, config, key):
+            continue  # a preset's name that identical configs spell differently
+        if _determines(runs, kept, key):
             continue  # the kept keys already determine it
         kept.append(key)
     return kept
+
+
+def _determines(runs: list[RunData], keys: list[str], key: str) -> bool:
+    """Whether runs that agree on `keys` always agree on `key`."""
+    seen: dict[tuple[str | None, ...], str | None] = {}
+    value = [r.facets.get(key) for r in runs]
+    return all(
+        seen.setdefault(tuple(r.facets.get(k) for k in keys), v) == v
+        for r, v in zip(runs, value, strict=True)
+    )
 
 
 def _words(run: RunData, keys: list[str]) -> list[str]:
