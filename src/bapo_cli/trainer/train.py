@@ -251,9 +251,8 @@ def _say_first_build(cfg: TrainConfig, console: Console, resume_from: Path | Non
         return
     from bapo_cli.models import tiny
 
-    shipped = getattr(tiny, "shipped_dir", lambda _cfg: None)(cfg.model.tiny)
     directory = tiny.tiny_dir(cfg.model.tiny)
-    if shipped is not None or tiny.is_complete(directory):
+    if tiny.shipped_dir(cfg.model.tiny) is not None or tiny.is_complete(directory):
         return
     console.print(
         f"first use of these tiny-model settings: building the model now (a supervised warm-up "
