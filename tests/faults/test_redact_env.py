@@ -91,8 +91,22 @@ def test_the_plan_masks_every_free_form_field() -> None:
     assert PW not in printed and "http://alice:***@hub.example/m (x)" in printed
 
 
-def test_the_experiment_name_is_stored_masked(tmp_path: Path) -> None:
-    uri = f"sqlite:///{tmp_path}/mlflow.db"
+@pytest.fixture(scope="module")
+def fresh_store(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """One SQLite store made by the project under a usual umask (MLflow's migration of a new
+    store takes seconds: the tests below share it)."""
+    root = tmp_path_factory.mktemp("store") / "outputs"
+    old = os.umask(0o022)
+    try:
+        uri = f"sqlite:///{root}/mlflow.db"
+        store.open_experiment(uri, "bapo")
+    finally:
+        os.umask(old)
+    return uri
+
+
+def test_the_experiment_name_is_stored_masked(fresh_store: str) -> None:
+    uri = fresh_store
     client, exp_id = store.open_experiment(uri, f"exp http://alice:{PW}@h:1")
     assert client.get_experiment(exp_id).name == "exp http://alice:***@h:1"
     # the same name finds it again (masking is idempotent)
@@ -103,15 +117,16 @@ def _mode(path: Path) -> int:
     return stat.S_IMODE(path.stat().st_mode)
 
 
-def test_the_store_and_run_dirs_are_private(tmp_path: Path) -> None:
-    os.umask(0o022)  # a usual umask: what was world-readable before
-    uri = f"sqlite:///{tmp_path}/outputs/mlflow.db"
-    store.open_experiment(uri, "bapo")
-    assert _mode(tmp_path / "outputs" / "mlflow.db") == 0o600
-    run = rundir.claim_timestamped(tmp_path / "outputs", "runs")
+def test_the_store_and_run_dirs_are_private(fresh_store: str, tmp_path: Path) -> None:
+    assert _mode(store.sqlite_path(fresh_store)) == 0o600  # was 0644 under umask 022
+    old = os.umask(0o022)
+    try:
+        run = rundir.claim_timestamped(tmp_path / "outputs", "runs")
+        named = tmp_path / "named" / "run"
+        rundir.create_private(named)
+    finally:
+        os.umask(old)
     assert _mode(run) == 0o700
-    named = tmp_path / "named" / "run"
-    rundir.create_private(named)
     assert _mode(named) == 0o700
 
 
@@ -162,11 +177,11 @@ def test_hydra_records_of_a_run_are_owner_only(multirun: str, _output_root: Path
         assert mode == ("0o600" if name.endswith(".yaml") else "0o700"), (name, mode)
 
 
-def test_the_run_name_is_stored_masked(tmp_path: Path) -> None:
+def test_the_run_name_is_stored_masked(fresh_store: str) -> None:
     """Run names are made of free-form fields (`model.name`): `bapo-reuse4-<model.name>-s0`."""
     from bapo_cli.tracking import MlflowTracker
 
-    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    uri = fresh_store
     tracker = MlflowTracker(uri, "bapo", run_name=f"bapo-reuse4-http://alice:{PW}@hub/m-s0")
     tracker.close()
     run = store.client(uri).get_run(tracker.run_id)
