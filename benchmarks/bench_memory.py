@@ -394,10 +394,10 @@ def main() -> None:
     p.add_argument("--chunk", type=int, default=None, help="logprob_chunk (default: trainer's)")
     p.add_argument("--old-max", type=int, default=2048, help="largest token count for old/trl")
     p.add_argument("--no-trl", dest="trl", action="store_false", help="skip TRL's path")
-    p.add_argument("--mix-samples", type=int, default=32)
+    p.add_argument("--mix-samples", type=int, default=256, help="one mini-batch")
     p.add_argument("--mix-max", type=int, default=1024)
     p.add_argument("--mix-size", type=int, default=8, help="micro_batch_size of the count split")
-    p.add_argument("--mix-vocab", type=int, default=32_768)
+    p.add_argument("--mix-vocab", type=int, default=8192)
     p.add_argument("--chunks", type=_ints, default=_ints("64,128,256,512,1024"))
     p.add_argument("--chunk-length", type=int, default=1024)
     p.add_argument(
