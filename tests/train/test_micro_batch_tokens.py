@@ -28,6 +28,7 @@ from bapo_cli.trainer.policy import (
     token_logprobs,
 )
 from bapo_cli.trainer.update import LossSpec, optimizer_update
+from tests.train.test_chunked_logprobs import _qwen
 from tests.train.test_distributed import SEARCH
 
 VOCAB = 40
@@ -62,21 +63,7 @@ def test_split_by_count_keeps_arrival_order() -> None:
 
 
 def _model() -> torch.nn.Module:
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    torch.manual_seed(0)
-    config = Qwen2Config(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=1,
-        num_key_value_heads=1,
-        head_dim=64,
-        max_position_embeddings=128,
-        tie_word_embeddings=True,
-    )
-    return Qwen2ForCausalLM(config).float()
+    return _qwen(tied=True, vocab=VOCAB)
 
 
 def _batch(lengths: list[tuple[int, int]], seed: int) -> list[Sample]:
