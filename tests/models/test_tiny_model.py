@@ -118,14 +118,16 @@ def test_build_runs_exactly_its_steps_and_records_them(tiny_build) -> None:
 
 
 def test_build_restores_threads_and_determinism(tmp_path: Path, tiny_settings) -> None:
-    threads = torch.get_num_threads()
+    threads, deterministic = torch.get_num_threads(), torch.are_deterministic_algorithms_enabled()
     torch.set_num_threads(2)
+    torch.use_deterministic_algorithms(False)  # (training tests may have left it on)
     try:
         tiny.build_tiny(tiny_settings(sft_steps=1, sft_batch_size=8), tmp_path, progress=False)
         assert torch.get_num_threads() == 2
         assert not torch.are_deterministic_algorithms_enabled()
     finally:
         torch.set_num_threads(threads)
+        torch.use_deterministic_algorithms(deterministic)
 
 
 def test_built_dir_loads_with_auto_classes(tiny_build) -> None:

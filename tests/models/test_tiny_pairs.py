@@ -31,7 +31,7 @@ def test_task_setting_is_validated() -> None:
     with pytest.raises(ConfigError, match="task=nope: must be one of arith, pairs"):
         TinyModelConfig(task="nope").check()
     preset = preflight("train", ["model=tiny_pairs"]).config.model
-    assert (preset.tiny.task, preset.tiny.sft_steps) == ("pairs", 1000)
+    assert (preset.tiny.task, preset.tiny.sft_steps) == ("pairs", 1600)
     assert preset.name == "tiny_pairs" and preset.max_model_len == 96
 
 

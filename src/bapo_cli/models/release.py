@@ -159,14 +159,12 @@ def build(name: str, out: Path, argv: list[str], steps: int | None = None) -> di
     return info
 
 
-def shipped_sha256(name: str) -> str | None:
-    """The weights' sha256 in the shipped record of `name` (None: nothing ships yet)."""
+def shipped_record(name: str) -> dict[str, Any] | None:
+    """The shipped build_info.json of `name` (None: nothing ships yet)."""
     from bapo_cli.models.tiny import BUILD_INFO, SHIPPED_ROOT
 
     record = SHIPPED_ROOT / name / BUILD_INFO
-    if not record.is_file():
-        return None
-    return json.loads(record.read_text())["sha256"]["model.safetensors"]
+    return json.loads(record.read_text()) if record.is_file() else None
 
 
 def compare(name: str, built: str, shipped: str | None) -> str:
@@ -197,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
     from bapo_cli.models.tiny import SHIPPED_ROOT
 
     out = args.out if args.out is not None else SHIPPED_ROOT / args.name
-    shipped = shipped_sha256(args.name)  # before a build into the shipped directory replaces it
+    shipped = shipped_record(args.name)  # before a build into the shipped directory replaces it
     info = build(args.name, out, argv, args.steps)
     avg = info["heldout_avg_at_8"]
     print(
@@ -205,7 +203,11 @@ def main(argv: list[str] | None = None) -> int:
         f"{info['accuracy']:.3f}, {avg['metric']} {avg['mean']:.3f} (seeds "
         f"{', '.join(f'{v:.3f}' for v in avg['per_seed'].values())}) -> {out}"
     )
-    print(compare(args.name, info["sha256"]["model.safetensors"], shipped))
+    if shipped is not None and shipped["key"] != info["key"]:
+        print(f"{args.name}: other settings than the shipped build (--steps?): not compared")
+    else:
+        digest = shipped["sha256"]["model.safetensors"] if shipped else None
+        print(compare(args.name, info["sha256"]["model.safetensors"], digest))
     return 0
 
 
