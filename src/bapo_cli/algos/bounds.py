@@ -44,8 +44,9 @@ the same bounds, equal to one process on the whole batch.
 Choices (docs/bapo.md points users here)
 ----------------------------------------
 * rho counts gradient-carrying tokens only, with strict inequalities (r < c_high, r > c_low),
-  compared in the ratio's dtype against the path values cast to that dtype. The losses in
-  `losses.py` use the very same comparisons, so the searched active set is the trained one.
+  compared in the ratio's dtype against the path values cast to that dtype. The losses
+  (`core.token_activity`) use the very same comparisons, so the searched active set is the
+  trained one.
 * Path values are ``a + k * step`` in float64 (never accumulated sums), rounded to the decimals
   that a and step are written with (0.9, not 0.8999999999999999) and clamped to b; the number of
   steps is ``floor((b - a) / step + 1e-9)`` so that 1.2 + 36 * 0.05 counts as <= 3.0.

@@ -50,7 +50,7 @@ so a call without active mass (rho = 1 by convention) does not count as rho = 1.
 
 Each loss is registered with the dataclass of its parameters (`LossEntry`): fields with defaults
 and help, a `check()` and a `describe()`. The CLI builds the `algo` schema of each loss from it
-and maps the config onto the loss's keyword arguments by field name, so a new loss is this file's
+and maps the config onto the loss's keyword arguments by field name, so a new loss is its module's
 function and dataclass, a YAML in conf/algo/ and a test (docs/architecture.md).
 
 Where the code is: this module is the losses' entry point (import `losses.REGISTRY`,
