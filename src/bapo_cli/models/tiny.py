@@ -11,8 +11,8 @@ SFT checkpoints the paper starts RL from.
 The warm-up stops by step count, never by an accuracy threshold or a time budget: it once stopped
 at the first held-out check reaching a target accuracy, and a threshold on a noisy measurement
 turns tiny floating-point differences between machines into a different stopping step (1,000
-steps on one machine, 1,600 on another, for the same config) and so a different model. Held-out greedy
-accuracy is still measured every `eval_every` steps, for the record only.
+steps on one machine, 1,600 on another, for the same config) and so a different model. Held-out
+greedy accuracy is still measured every `eval_every` steps, for the record only.
 
     task=arith   (default) `data.tasks.ArithTask`: prompt "37+45=", target the answer "82"
     task=pairs   `data.pairs.PairTask`: prompt "318596:?+?=12!", target a random-order search
