@@ -45,7 +45,8 @@ def test_chunked_is_as_exact_as_the_full_vocab_path_in_float32(
     n, vocab, chunk, temperature, bias, seed
 ) -> None:
     """Against a float64 oracle, the chunked path errs no more than the full-vocabulary float32
-    path does (within 2x, plus float32 epsilon of the scale). A plain elementwise comparison of
+    path does (within 2x, plus 2e-6 of the scale: ~16 float32 epsilons, as a gradient sums up to
+    40 tokens' products in another order). A plain elementwise comparison of
     the two float32 paths would demand more than float32 can give: the gradient of a token with
     p ≈ 1 is g·(1 − p), and both paths round p to 6e-8 near 1 before that subtraction."""
     g = torch.Generator().manual_seed(seed)
@@ -74,7 +75,7 @@ def test_chunked_is_as_exact_as_the_full_vocab_path_in_float32(
     chunked = run("chunked", torch.float32)
     for c, f, x in zip(chunked, full, exact, strict=True):
         scale = float(x.abs().max()) + 1e-30
-        assert float((c - x).abs().max()) <= 2 * float((f - x).abs().max()) + 2e-7 * scale
+        assert float((c - x).abs().max()) <= 2 * float((f - x).abs().max()) + 2e-6 * scale
 
 
 def _qwen(tied: bool, dtype: torch.dtype = torch.float32, vocab: int = 97) -> torch.nn.Module:
