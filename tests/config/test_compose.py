@@ -77,6 +77,12 @@ def test_algo_presets_map_to_losses_and_advantages() -> None:
         "gspo": ("gspo", "grpo"),
         "cispo": ("cispo", "grpo"),
         "sapo": ("sapo", "grpo"),
+        "dppo_tv": ("dppo_tv", "grpo"),
+        "dppo_kl": ("dppo_kl", "grpo"),
+        "m2po": ("m2po", "grpo"),
+        "clip_cov": ("clip_cov", "grpo"),
+        "kl_cov": ("kl_cov", "grpo"),
+        "ce_gppo": ("ce_gppo", "grpo"),
     }
     clip_higher = preflight("train", ["algo=clip_higher"]).config.algo
     assert (clip_higher.eps_low, clip_higher.eps_high) == (0.2, 0.28)

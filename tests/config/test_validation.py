@@ -8,7 +8,11 @@ from bapo_cli.config.preflight import PreflightError, preflight
 
 # (overrides, the line must start with, and must contain)
 RULES = [
-    (["algo=foo"], "algo=foo", "valid: bapo, bapo_recipe, cispo, clip_higher, dapo, drgrpo, grpo"),
+    (
+        ["algo=foo"],
+        "algo=foo",
+        "valid: bapo, bapo_recipe, ce_gppo, cispo, clip_cov, clip_higher, dapo, dppo_kl",
+    ),
     (["staleness=3"], "staleness=3", "valid: 0, 1, 2, 4, 8"),
     (["model=nope"], "model=nope", "valid: "),
     (["algo.rho0=abc"], "algo.rho0=abc", "must be a number"),
@@ -27,7 +31,11 @@ RULES = [
     (["algo.weighting=sqrt"], "algo.weighting=sqrt", "none, rollout_prob"),
     (["algo.bound_scope=rank"], "algo.bound_scope=rank", "minibatch, microbatch"),
     (["algo.agg=sum"], "algo.agg=sum", "token-mean"),
-    (["algo.loss=reinforce"], "algo.loss=reinforce", "bapo, cispo, clip_higher, gspo, ppo, sapo"),
+    (
+        ["algo.loss=reinforce"],
+        "algo.loss=reinforce",
+        "bapo, ce_gppo, cispo, clip_cov, clip_higher, dppo_kl, dppo_tv, gspo, kl_cov, m2po, ppo",
+    ),
     (["algo.advantage=gae"], "algo.advantage=gae", "drgrpo, grpo, rloo"),
     (["algo.dual_clip=0.5"], "algo.dual_clip=0.5", "> 1"),
     (["algo=grpo", "algo.eps=1.5"], "algo.eps=1.5", "(0, 1)"),
@@ -117,12 +125,20 @@ def test_rule_names_key_and_allowed_values(overrides, starts, contains) -> None:
 
 
 EVAL_RULES = [
-    (["benchmark=aime26"], "benchmark=aime26", "valid: aime24, aime25, math500"),
+    (
+        ["benchmark=aime26"],
+        "benchmark=aime26",
+        "valid: aime24, aime25, amc23, math500, minerva_math, olympiadbench",
+    ),
     (["reward.workers=100"], "reward.workers=100", "[1, 64]"),
     (["eval.n=0"], "eval.n=0", ">= 1"),
     (["eval.limit=0"], "eval.limit=0", ">= 1"),
     (["eval.top_p=2"], "eval.top_p=2", "(0, 1]"),
-    (["benchmark.hf_id=null"], "benchmark.path", "benchmark.path or benchmark.hf_id"),
+    (
+        ["benchmark.path=null", "benchmark.hf_id=null"],
+        "benchmark.path",
+        "benchmark.path or benchmark.hf_id",
+    ),
 ]
 
 

@@ -50,8 +50,9 @@ def test_unreachable_hub_id_says_what_was_tried(monkeypatch) -> None:
     with pytest.raises(models.ModelLoadError) as err:
         models.load_policy(ModelConfig(path="bapo-nobody/not-a-model"))
     text = str(err.value)
-    assert text.startswith("model.path=bapo-nobody/not-a-model: no local directory")
-    assert "HF hub id could not be loaded" in text and "\n" not in text
+    assert text.startswith("model.path=bapo-nobody/not-a-model: not a local directory")
+    assert "HF hub cannot be used (HF_HUB_OFFLINE=1)" in text and "\n" not in text
+    assert "model.path=/path/to/model" in text  # how to pass a local path
 
 
 def test_model_dir(tiny_build, tmp_path: Path, monkeypatch) -> None:

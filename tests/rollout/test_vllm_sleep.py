@@ -35,7 +35,7 @@ class _LLM:
         self.calls.append(("wake_up", tuple(tags)))
 
     def collective_rpc(self, fn, args=()):
-        self.calls.append(("rpc", fn.__name__, len(args[0])))
+        self.calls.append(("rpc", fn.__name__, len(list(args[0]))))  # a list or a lazy iterator
 
     def reset_prefix_cache(self):
         self.calls.append(("reset_prefix_cache",))
@@ -45,6 +45,7 @@ def _engine(sleep_mode: bool) -> VLLMEngine:
     engine = object.__new__(VLLMEngine)  # the bookkeeping only, no real vLLM behind it
     engine.llm, engine.sleep_mode, engine.sleeping = _LLM(), sleep_mode, set()
     engine.max_model_len, engine.eos_ids, engine.version = 64, [2], 0
+    engine.tensor_parallel_size = 1
     return engine
 
 

@@ -110,9 +110,6 @@ class LoraConfig:
             )
 
 
-DEVICES = ("auto", "cpu", "cuda")
-
-
 @dataclass
 class ModelConfig:
     """The policy: a HF id or local directory, or the locally built tiny model."""
@@ -122,13 +119,13 @@ class ModelConfig:
     dtype: str = opt("auto", "auto = bfloat16 on CUDA, float32 on CPU")
     device: str = opt("auto", "auto = cuda when available, else cpu")
     gradient_checkpointing: bool = opt(False, "recompute activations to save memory")
+    trust_remote_code: bool = opt(False, "allow custom modelling code from the hub")
+    max_model_len: int = opt(256, "prompt + response tokens the engines must hold")
+    tiny: TinyModelConfig | None = opt(None, "settings of the tiny model (only for path=tiny)")
     lora: LoraConfig = field(
         default_factory=LoraConfig,
         metadata={"help": "LoRA adapters: model.lora.rank=8 trains adapters only"},
     )
-    trust_remote_code: bool = opt(False, "allow custom modelling code from the hub")
-    max_model_len: int = opt(256, "prompt + response tokens the engines must hold")
-    tiny: TinyModelConfig | None = opt(None, "settings of the tiny model (only for path=tiny)")
 
     def check(self) -> None:
         if not self.path:
@@ -493,7 +490,6 @@ class RolloutConfig:
         "truncate: weights above rollout.tis_cap become the cap (TIS); mask: tokens (or whole "
         "sequences, tis_level=sequence) above it get weight 0 (MIS)",
     )
-
     seq_mask: str = opt(
         "none",
         "off-policy sequence masking (algos/correction.py): geo = drop a sequence whose "
