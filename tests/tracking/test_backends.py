@@ -52,9 +52,22 @@ def _wandb_core_pids() -> list[int]:
     return pids
 
 
+def _forget_dead_wandb_service() -> None:
+    """After killing this process's W&B service: drop the SDK's import hooks (they report each
+    later import to the dead service and raise there, in tests that never use W&B) and its
+    process-wide setup, so later tests in this process start a fresh service."""
+    from wandb.sdk import wandb_setup
+    from wandb.sdk.lib import import_hooks
+    from wandb.sdk.lib.service import service_token
+
+    import_hooks.unregister_all_post_import_hooks()
+    service_token.clear_service_in_env()  # else the new setup dials the dead socket again
+    wandb_setup._singleton = None
+
+
 @pytest.mark.slow
 def test_wandb_service_gone_mid_run_the_run_goes_on_and_the_rest_is_listed(
-    tmp_path, caplog
+    tmp_path, caplog, request
 ) -> None:
     """The W&B service process killed after step 2: logging goes on without an error,
     TensorBoard (the other backend) still gets every step, and W&B's steps 3-5 end in
@@ -76,6 +89,7 @@ def test_wandb_service_gone_mid_run_the_run_goes_on_and_the_rest_is_listed(
     for pid in pids:
         os.kill(pid, signal.SIGKILL)
         os.waitpid(pid, 0)
+    request.addfinalizer(_forget_dead_wandb_service)
     with caplog.at_level(logging.WARNING, logger="bapo_cli.tracking"):
         for step in (3, 4, 5):
             tracker.log_metrics(_metrics(step), step)

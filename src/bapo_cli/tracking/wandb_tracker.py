@@ -86,19 +86,34 @@ class WandbTracker(BufferedTracker):
         sdk_dir = None if run_dir is None or os.environ.get("WANDB_DIR") else str(run_dir)
         if sdk_dir is not None:
             Path(sdk_dir).mkdir(parents=True, exist_ok=True)
+        init = dict(
+            project=project,
+            entity=entity,
+            mode=mode,
+            name=redact.text(run_name) if run_name else None,  # free-form fields
+            id=run_id,
+            resume="allow" if run_id is not None else None,
+            tags=[f"{k}={v}"[:MAX_TAG] for k, v in shown.items()],
+            dir=sdk_dir,
+            reinit="create_new",  # several runs per process (a multirun), like MlflowClient
+            settings=wandb.Settings(console="off"),
+        )
         with masked_argv():
-            self.run = wandb.init(
-                project=project,
-                entity=entity,
-                mode=mode,
-                name=redact.text(run_name) if run_name else None,  # free-form fields
-                id=run_id,
-                resume="allow" if run_id is not None else None,
-                tags=[f"{k}={v}"[:MAX_TAG] for k, v in shown.items()],
-                dir=sdk_dir,
-                reinit="create_new",  # several runs per process (a multirun), like MlflowClient
-                settings=wandb.Settings(console="off"),
-            )
+            try:
+                self.run = wandb.init(**init)
+            except Exception as exc:
+                # The process's W&B service died under an earlier run (killed, OOM): the SDK
+                # keeps its dead connection in its process-wide setup (and its address in
+                # $WANDB_SERVICE) and every later init fails. Forget both (wandb.teardown
+                # would talk to the dead service) so init starts a fresh service; once.
+                if type(exc).__name__ not in ("MailboxClosedError", "WandbServiceConnectionError"):
+                    raise
+                from wandb.sdk import wandb_setup
+                from wandb.sdk.lib.service import service_token
+
+                service_token.clear_service_in_env()
+                wandb_setup._singleton = None
+                self.run = wandb.init(**init)
         self.run_id = self.run.id
         self._row_open = False  # a step's row sent but not committed yet
         where = f"{entity}/" if entity else ""
