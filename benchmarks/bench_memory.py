@@ -99,13 +99,15 @@ def _full_logits_scorer(model, how: str, autocast):
     class FullLogits(ResponseLogits):
         def forward(self, input_ids, attention_mask, gather_pos, targets, rows, cols, t, entropy):
             return _full_logits(
-                self, how, input_ids, attention_mask, gather_pos, targets, t, entropy, rows, cols
+                self, how, input_ids, attention_mask, gather_pos, targets, rows, cols, t, entropy
             )
 
     return FullLogits(model, autocast)
 
 
-def _full_logits(scorer, how, input_ids, attention_mask, gather_pos, targets, t, entropy, *rc):
+def _full_logits(
+    scorer, how, input_ids, attention_mask, gather_pos, targets, rows, cols, t, entropy
+):
     """Logits [b, R, V] of every response position, then the old path's or TRL's functions."""
     import torch
 
@@ -130,7 +132,7 @@ def _full_logits(scorer, how, input_ids, attention_mask, gather_pos, targets, t,
             with torch.no_grad():
                 ent = entropy_from_logits(logits / t if t > 0 else logits)
     mask = torch.zeros_like(targets, dtype=torch.bool)
-    mask[rc] = True
+    mask[rows, cols] = True
     return torch.where(mask, logp, 0.0), ent
 
 
