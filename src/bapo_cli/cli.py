@@ -371,6 +371,13 @@ def report(
         "it in the same cell of the other facets (mean difference, permutation p) in "
         "comparisons.md.",
     ),
+    failures: bool = typer.Option(
+        False,
+        "--failures",
+        help="Pair-search runs: sample each run's final checkpoint and its starting weights on "
+        "the held-out split again and class every wrong sample (no stop, malformed, wrong sum, "
+        "false stop, wrong verdict, wrong pair) in failures.md; cached in the report dir.",
+    ),
 ) -> None:
     """Compare runs: a table (markdown, CSV) and plots per metric, logged to the sweep's parent."""
     import time
@@ -393,7 +400,7 @@ def report(
             stamp = time.strftime("%Y-%m-%d/%H-%M-%S")
             out = sweep / "report" if sweep is not None else root / "reports" / stamp
         with _store_errors(uri):
-            result = rep.write_report(runs, out, uri, facet, baseline)
+            result = rep.write_report(runs, out, uri, facet, baseline, failures=failures)
     except rep.ReportError as exc:
         raise _fail(str(exc)) from None
     Console().print(f"{len(result.runs)} runs compared")

@@ -226,3 +226,40 @@ def named_pair(response: str) -> str | None:
         return None
     x, y = sorted(attempts[-1][:2])
     return f"{x},{y}"
+
+
+FAILURE_CLASSES = ("no_stop", "malformed", "wrong_sum", "false_stop", "wrong_verdict", "wrong_pair")
+"""Why a pair-search response failed, in the order `failure_class` tries them (study v3's
+held-out read-out, docs/study-v3.md): **no_stop** no '!' at all (the search ran into the budget:
+a longer response), **malformed** a '!' but not the grammar `(a+b=s[<>])*a+b=s!`, **wrong_sum** a
+written sum that is not a + b, **false_stop** a '!' on a sum that is not the target (a shorter
+response), **wrong_verdict** a '<' or '>' that contradicts the sum against the target, and
+**wrong_pair** everything else graded wrong: a well-formed, correctly summed search whose '!'
+attempt hits the target with a pair that is not the problem's (a digit the prompt does not show,
+or one digit twice). The design named the first five; the sixth holds what they leave out, so
+every wrong response has exactly one class."""
+
+
+def failure_class(response: str, answer: str) -> str | None:
+    """The first class of `FAILURE_CLASSES` that fits a wrong response; None when
+    `pairs_reward(response, answer)` is 1.0. `answer` is the problem's pair "a,b" (its sum is the
+    target); garbage never raises: it is no_stop or malformed."""
+    reference = _ANSWER.fullmatch(answer.strip()) if isinstance(answer, str) else None
+    if reference is None:
+        raise ValueError(f"answer={answer!r}: expected a pair 'a,b' of digits")
+    if pairs_reward(response, answer) == 1.0:
+        return None
+    text = clean_response(response) if isinstance(response, str) else ""
+    if "!" not in text:
+        return "no_stop"
+    attempts = _parse(text)
+    if attempts is None:
+        return "malformed"
+    target = int(reference[1]) + int(reference[2])
+    if any(str(a + b) != s for a, b, s, _ in attempts):
+        return "wrong_sum"
+    if int(attempts[-1][2]) != target:
+        return "false_stop"
+    if any(verdict(int(s), target) != v for _, _, s, v in attempts[:-1]):
+        return "wrong_verdict"
+    return "wrong_pair"

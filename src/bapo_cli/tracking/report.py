@@ -123,6 +123,7 @@ class RunData:
     label: str = ""  # facets whose values differ between the runs in the report
     group: str = ""  # label without the seed
     values: dict[str, float | None] = field(default_factory=dict)
+    run_dir: str | None = None  # where its checkpoints are (`bapo.run_dir` tag, or sweep dir/job)
 
 
 # ------------------------------------------------------------------------------------ reading
@@ -219,6 +220,9 @@ def _run_data(client: Any, run: Any) -> RunData:
             )
             histories[key] = points
     overrides = tags.get(tracking.OVERRIDES_TAG)
+    run_dir = tags.get(tracking.RUN_DIR_TAG)
+    if run_dir is None and tracking.SWEEP_DIR_TAG in tags and tracking.JOB_NUM_TAG in tags:
+        run_dir = str(Path(tags[tracking.SWEEP_DIR_TAG]) / tags[tracking.JOB_NUM_TAG])
     return RunData(
         run_id=run.info.run_id,
         name=run.info.run_name or run.info.run_id[:12],
@@ -227,6 +231,7 @@ def _run_data(client: Any, run: Any) -> RunData:
         histories=histories,
         params=dict(run.data.params),
         parent_id=tags.get(tracking.PARENT_TAG),
+        run_dir=run_dir,
     )
 
 
@@ -566,6 +571,51 @@ def quadrant_table(runs: list[RunData]) -> tuple[list[str], list[list[str]]] | N
     return header, rows
 
 
+def failure_table(
+    runs: list[RunData], cache_path: Path
+) -> tuple[list[str], list[list[str]]] | None:
+    """Where held-out accuracy goes, per group (None when no run has a checkpoint of the pair
+    search): the share of held-out samples in each class of `evaluation.failures.CLASSES`, at the
+    run's starting weights and at its final checkpoint (each sampled again with the run's seed,
+    8 samples per problem), seed means. A run without a final checkpoint or start weights on this
+    machine is left out and counted in "runs sampled"."""
+    from rich.progress import track
+
+    from bapo_cli.evaluation import failures
+
+    cache = failures.FailureCache(cache_path)
+    groups: dict[str, list[tuple[dict[str, float], dict[str, float]]]] = {}
+    sizes: dict[str, int] = {}
+    for run in track(runs, description="held-out failures", transient=True):
+        sizes[run.group] = sizes.get(run.group, 0) + 1
+        if run.params.get("data.kind") != "pairs" or run.run_dir is None:
+            continue
+        final = failures.final_checkpoint(Path(run.run_dir))
+        start = failures.start_weights(run.params)
+        if final is None or start is None:
+            continue
+        seed = int(run.params.get("trainer.seed", 0))
+        length = int(run.params.get("model.max_model_len", 96))
+        n = int(run.params.get("trainer.val_n", 8))
+        pair = [
+            failures.shares(cache.counts(d, seed=seed, n=n, max_model_len=length))
+            for d in (start, final)
+        ]
+        groups.setdefault(run.group, []).append((pair[0], pair[1]))
+    if not groups:
+        return None
+    header = ["group", "runs sampled"]
+    header += [f"{c} {when}" for c in failures.CLASSES for when in ("start", "final")]
+    rows = []
+    for group, pairs in groups.items():
+        cells = [group, f"{len(pairs)}/{sizes[group]}"]
+        for c in failures.CLASSES:
+            for i in (0, 1):
+                cells.append(_fmt(sum(p[i][c] for p in pairs) / len(pairs)))
+        rows.append(cells)
+    return header, rows
+
+
 def _fmt(value: float | None) -> str:
     return "" if value is None else f"{value:.3f}"
 
@@ -725,6 +775,7 @@ def write_report(
     uri: str | None = None,
     facet: str | None = None,
     baseline: str | None = None,
+    failures: bool = False,
 ) -> Report:
     """Tables and plots into out_dir; logged to the runs' common parent run when there is one."""
     label_runs(runs)
@@ -755,6 +806,12 @@ def write_report(
         (out_dir / "quadrants.md").write_text(markdown(*quadrants), encoding="utf-8")
         _write_csv(out_dir / "quadrants.csv", *quadrants)
         files += [out_dir / "quadrants.md", out_dir / "quadrants.csv"]
+    if failures:
+        table = failure_table(runs, out_dir / "failures_cache.json")
+        if table is not None:
+            (out_dir / "failures.md").write_text(markdown(*table), encoding="utf-8")
+            _write_csv(out_dir / "failures.csv", *table)
+            files += [out_dir / "failures.md", out_dir / "failures.csv"]
     files += plot(runs, out_dir, facet)
     parents = {r.parent_id for r in runs}
     parent = parents.pop() if len(parents) == 1 else None

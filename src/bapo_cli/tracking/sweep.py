@@ -17,6 +17,7 @@ PARENT_TAG = "mlflow.parentRunId"  # what the MLflow UI nests runs by
 OVERRIDES_TAG = "bapo.overrides"  # the job's Hydra overrides, space-separated
 SWEEP_DIR_TAG = "bapo.sweep_dir"  # absolute sweep directory (parent and children)
 JOB_NUM_TAG = "bapo.job_num"
+RUN_DIR_TAG = "bapo.run_dir"  # the run's directory (checkpoints, samples, train.log)
 ROLE_TAG = "bapo.role"  # "sweep" on a parent run
 
 

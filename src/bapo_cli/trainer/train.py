@@ -45,7 +45,7 @@ from bapo_cli.rollout.base import Sample, SamplingParams, make_engine, resolve_e
 from bapo_cli.rollout.collect import Collector, DynamicSampling
 from bapo_cli.staleness.regimes import REGIMES, Regime, make_regime
 from bapo_cli.staleness.worker import WorkerError
-from bapo_cli.tracking import flatten, make_tracker, redact, start_failure
+from bapo_cli.tracking import RUN_DIR_TAG, flatten, make_tracker, redact, start_failure
 from bapo_cli.tracking.backends import where_lines as tracking_where_lines
 from bapo_cli.trainer import checkpoint, distributed
 from bapo_cli.trainer.interrupt import GracefulStop
@@ -504,7 +504,7 @@ def _start_tracking(
             cfg.tracking if run.ctx.is_main else None,
             run_name=cfg.tracking.run_name or _run_name(cfg, swept),
             run_id=run.run_id,
-            tags={**_tags(cfg, run.engine_name), **tags},
+            tags={**_tags(cfg, run.engine_name), RUN_DIR_TAG: str(run.run_dir), **tags},
             run_dir=run.run_dir,
         )
         params, config_yaml = run_record(cfg)
