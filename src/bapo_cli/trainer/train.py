@@ -649,7 +649,9 @@ def _optimize(
     run: Run, batch: list[Sample]
 ) -> tuple[list[dict[str, float]], int, dict[str, float]]:
     """One optimizer update per mini-batch, × ppo_epochs; (per-update metrics, tokens trained,
-    the micro-batch layout's perf/pad_frac and perf/micro_batches)."""
+    the micro-batch layout's perf/pad_frac and perf/micro_batches, and under rollout.seq_mask
+    rollout/seq_masked_frac: the share of sequences masked, each update's use counted once, as
+    opsm decides against the weights at that update)."""
     minis = run.layout(batch)  # the tensors the behaviour log-probs were scored on (reuse)
     micro_all = [mb for micro in minis for mb in micro]
     padded = sum(mb.padded_tokens for mb in micro_all)
@@ -661,10 +663,13 @@ def _optimize(
     recomputed: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor | None]] = {}
     update_metrics: list[dict[str, float]] = []
     trained_tokens = 0
+    seq_counts = [0, 0]  # rollout.seq_mask: (sequences masked, sequences seen) over the updates
     for i in range(len(minis) * run.cfg.staleness.ppo_epochs):
         micro = minis[i % len(minis)]
         for j, mb in enumerate(micro):
-            _prepare(run, mb, first=i == 0, key=(i % len(minis), j), recomputed=recomputed)
+            masked = _prepare(run, mb, first=i == 0, key=(i % len(minis), j), recomputed=recomputed)
+            seq_counts[0] += masked
+            seq_counts[1] += int(mb.mask.any(dim=-1).sum())
         result = optimizer_update(
             run.scorer,
             run.optimizer,
@@ -679,6 +684,8 @@ def _optimize(
         _account_update(result, run.state, run.scheduler, run.cfg.trainer.max_skipped_steps)
         update_metrics.append(result.metrics)
         trained_tokens += result.tokens
+    if run.cfg.rollout.seq_mask != "none":  # share of (sequence, update) uses masked to 0
+        layout["rollout/seq_masked_frac"] = seq_counts[0] / max(seq_counts[1], 1)
     return update_metrics, trained_tokens, layout
 
 
@@ -689,14 +696,16 @@ def _prepare(
     first: bool,
     key: tuple[int, int],
     recomputed: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor | None]],
-) -> None:
-    """A micro-batch's advantages (TIS-weighted per token under rollout.tis_cap) and pi_old."""
+) -> int:
+    """A micro-batch's advantages (TIS-weighted per token under rollout.tis_cap, sequences
+    masked under rollout.seq_mask) and pi_old; how many of its sequences the mask set to 0."""
     cfg = run.cfg
     mb.advantages = torch.tensor(
         [s.advantage for s in mb.samples], dtype=torch.float32, device=mb.mask.device
     )
     if first and mb.unscored:  # deferred: scored by this update's forward
         mb.old_is_current = True
+    masked = 0
     if cfg.rollout.tis_cap is not None:  # engine/trainer mismatch: per-token weights
         weights = tis_weights(
             mb, cfg.rollout.tis_cap, level=cfg.rollout.tis_level, mode=cfg.rollout.tis_mode
@@ -711,9 +720,10 @@ def _prepare(
             log_ratio = torch.zeros(mb.mask.shape, device=mb.mask.device)
         else:  # opsm: pi_old (what the loss divides by) against the current weights
             log_ratio = mb.old_log_prob - _recompute(run.scorer, mb, cfg.rollout.temperature)
-        mb.advantages, _ = mask_sequences(
+        mb.advantages, keep = mask_sequences(
             cfg.rollout.seq_mask, cfg.rollout.seq_mask_threshold, mb.advantages, mb.mask, log_ratio
         )
+        masked = int((~keep & mb.mask.any(dim=-1)).sum())
     if cfg.trainer.old_logprob == "recompute":  # the proximal policy: pi_old at first use
         cap = getattr(cfg.algo, "behav_weight_cap", None)
         if key not in recomputed:  # mb.old_log_prob still holds the behaviour log-probs here
@@ -727,6 +737,7 @@ def _prepare(
             adv = mb.advantages if mb.advantages.dim() == 2 else mb.advantages[:, None]
             mb.advantages = adv * weight
         mb.old_log_prob = prox
+    return masked
 
 
 def _save(run: Run, tracker: Any) -> None:
