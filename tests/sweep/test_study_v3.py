@@ -54,3 +54,52 @@ def test_every_arm_makes_48_updates_of_64_sequences_from_the_shipped_model() -> 
         assert cfg.tracking.experiment == "study_v3"
     lag = preflight("train", ["experiment=study_v3_lag8"]).config.staleness
     assert (lag.regime, lag.k) == ("lag", 8)
+
+
+def _analysis():
+    """scripts/study_v3.py, the design's rules as code (gates, Holm, frontier)."""
+    import importlib.util
+    import sys
+
+    spec = importlib.util.spec_from_file_location("study_v3", REPO / "scripts" / "study_v3.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["study_v3"] = module  # its dataclass looks itself up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_holm_rejects_in_order_and_stops_at_the_first_miss() -> None:
+    holm = _analysis().holm
+    # thresholds 0.0125, 0.0167, 0.025, 0.05 for the sorted p-values
+    p = {"a": 0.032, "b": 0.008, "c": 0.016, "d": 0.008}
+    assert holm(p) == dict.fromkeys("abcd", True)
+    p = {"a": 0.06, "b": 0.008, "c": 0.016, "d": 0.008}
+    assert holm(p) == {"a": False, "b": True, "c": True, "d": True}
+    # 0.02 > 0.0167 stops the rest, even d's 0.04, which would pass 0.05 on its own
+    p = {"a": 0.02, "b": 0.02, "c": 0.008, "d": 0.04}
+    assert holm(p) == {"a": False, "b": False, "c": True, "d": False}
+    # the design's arithmetic: with five seeds the first rejection needs p = 2/252
+    assert holm({"a": 4 / 252, "b": 1, "c": 1, "d": 1}) == dict.fromkeys("abcd", False)
+
+
+def test_frontier_needs_every_smaller_lr_to_pass() -> None:
+    m = _analysis()
+    assert (
+        m.frontier({1e-4: 0.1, 3e-4: 0.0, 6e-4: -0.1, 1e-3: 0.0}) == "0.0003"
+    )  # 1e-3 passes alone
+    assert m.frontier({1e-4: -0.031, 3e-4: 0.1, 6e-4: 0.1, 1e-3: 0.1}) == "< 0.0001"
+    assert m.frontier({1e-4: 0.1, 3e-4: 0.1, 6e-4: 0.1, 1e-3: -0.029}) == "≥ 0.001"
+    assert m.frontier({1e-4: 0.1, 3e-4: -0.03}) == "0.0001"  # -0.03 is not above the margin
+    assert m.frontier_higher("0.0006", "0.0003") == "yes"
+    assert m.frontier_higher("0.0003", "0.0003") == "no"
+    assert m.frontier_higher("< 0.0001", "< 0.0001") == "not determinable"
+    assert m.frontier_higher("≥ 0.001", "≥ 0.001") == "not determinable"
+    assert m.frontier_higher("≥ 0.001", "0.0006") == "yes"
+
+
+def test_gate_g1_wants_a_mean_drop_and_four_seeds_below_zero() -> None:
+    g1 = _analysis().g1
+    assert g1([-0.1, -0.1, -0.1, -0.1, 0.05])  # mean -0.07, 4 of 5 below 0
+    assert not g1([-0.2, -0.2, -0.1, 0.05, 0.05])  # mean -0.08 but only 3 below 0
+    assert not g1([-0.04, -0.04, -0.04, -0.04, -0.04])  # all below 0, mean above -0.05
+    assert not g1([])
