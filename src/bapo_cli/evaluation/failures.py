@@ -67,6 +67,8 @@ def sample_checkpoint(
     (a checkpoint or the shipped model), sampled as the trainer validates (`max_model_len` the
     preset's, 96 for `model=tiny_pairs`), every generator seeded with `seed` as
     `models.release` measures the shipped weights' held-out avg@8."""
+    import transformers
+
     from bapo_cli.data.datasets import SYNTHETIC
     from bapo_cli.evaluation.evaluate import VAL_SAMPLING, _reward_grader, evaluate_benchmark
     from bapo_cli.models.loading import load_checkpoint
@@ -74,6 +76,7 @@ def sample_checkpoint(
     from bapo_cli.rollout.hf import HFEngine
     from bapo_cli.trainer.checkpoint import seed_everything
 
+    transformers.utils.logging.disable_progress_bar()  # one bar per checkpoint otherwise
     model, tokenizer = load_checkpoint(Path(model_dir))
     engine = HFEngine(model, tokenizer)
     spec = SYNTHETIC["pairs"]
