@@ -663,13 +663,15 @@ def _optimize(
     recomputed: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor | None]] = {}
     update_metrics: list[dict[str, float]] = []
     trained_tokens = 0
-    seq_counts = [0, 0]  # rollout.seq_mask: (sequences masked, sequences seen) over the updates
+    # rollout.seq_mask: (sequences masked, sequences seen) per micro-batch use, as device
+    # counts summed once per step (no host sync per micro-batch; nothing without a mask)
+    seq_counts: list[tuple[torch.Tensor, torch.Tensor]] = []
     for i in range(len(minis) * run.cfg.staleness.ppo_epochs):
         micro = minis[i % len(minis)]
         for j, mb in enumerate(micro):
             masked = _prepare(run, mb, first=i == 0, key=(i % len(minis), j), recomputed=recomputed)
-            seq_counts[0] += masked
-            seq_counts[1] += int(mb.mask.any(dim=-1).sum())
+            if masked is not None:
+                seq_counts.append((masked, mb.mask.any(dim=-1).sum()))
         result = optimizer_update(
             run.scorer,
             run.optimizer,
@@ -684,8 +686,9 @@ def _optimize(
         _account_update(result, run.state, run.scheduler, run.cfg.trainer.max_skipped_steps)
         update_metrics.append(result.metrics)
         trained_tokens += result.tokens
-    if run.cfg.rollout.seq_mask != "none":  # share of (sequence, update) uses masked to 0
-        layout["rollout/seq_masked_frac"] = seq_counts[0] / max(seq_counts[1], 1)
+    if seq_counts:  # share of (sequence, update) uses masked to 0
+        masked, seen = (float(sum(c[k] for c in seq_counts)) for k in (0, 1))
+        layout["rollout/seq_masked_frac"] = masked / max(seen, 1.0)
     return update_metrics, trained_tokens, layout
 
 
@@ -696,16 +699,17 @@ def _prepare(
     first: bool,
     key: tuple[int, int],
     recomputed: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor | None]],
-) -> int:
+) -> torch.Tensor | None:
     """A micro-batch's advantages (TIS-weighted per token under rollout.tis_cap, sequences
-    masked under rollout.seq_mask) and pi_old; how many of its sequences the mask set to 0."""
+    masked under rollout.seq_mask) and pi_old; under rollout.seq_mask, how many of its sequences
+    the mask set to 0 (a 0-dim device tensor: no host sync here), else None."""
     cfg = run.cfg
     mb.advantages = torch.tensor(
         [s.advantage for s in mb.samples], dtype=torch.float32, device=mb.mask.device
     )
     if first and mb.unscored:  # deferred: scored by this update's forward
         mb.old_is_current = True
-    masked = 0
+    masked = None
     if cfg.rollout.tis_cap is not None:  # engine/trainer mismatch: per-token weights
         weights = tis_weights(
             mb, cfg.rollout.tis_cap, level=cfg.rollout.tis_level, mode=cfg.rollout.tis_mode
@@ -723,7 +727,7 @@ def _prepare(
         mb.advantages, keep = mask_sequences(
             cfg.rollout.seq_mask, cfg.rollout.seq_mask_threshold, mb.advantages, mb.mask, log_ratio
         )
-        masked = int((~keep & mb.mask.any(dim=-1)).sum())
+        masked = (~keep & mb.mask.any(dim=-1)).sum()
     if cfg.trainer.old_logprob == "recompute":  # the proximal policy: pi_old at first use
         cap = getattr(cfg.algo, "behav_weight_cap", None)
         if key not in recomputed:  # mb.old_log_prob still holds the behaviour log-probs here
