@@ -10,11 +10,16 @@ from pathlib import Path
 import mlflow
 import pytest
 
+from bapo_cli.config.preflight import preflight
 from bapo_cli.evaluation import failures
 from bapo_cli.models.tiny import SHIPPED_ROOT
-from bapo_cli.tracking import report
+from bapo_cli.tracking import flatten, report
 
 SHIPPED = SHIPPED_ROOT / "tiny_pairs"
+# the model.tiny.* params a `model=tiny_pairs` run records (MLflow params: strings)
+TINY_PAIRS_PARAMS = flatten(
+    preflight("train", ["experiment=pairs"]).config.model.tiny, "model.tiny."
+)
 
 
 @pytest.fixture(scope="module")
@@ -51,6 +56,17 @@ def _run_dir(tmp_path: Path, name: str, step: int, complete: bool = True) -> Pat
     return run_dir
 
 
+def test_start_weights_are_the_build_of_the_recorded_settings() -> None:
+    """The shipped build only for exactly its settings; other settings name a build of their
+    own (this machine's cache, None when it is not built), never the preset's shipped one."""
+    assert failures.start_weights({"model.path": "tiny", **TINY_PAIRS_PARAMS}) == SHIPPED
+    other = {**TINY_PAIRS_PARAMS, "model.tiny.sft_steps": "1601"}
+    assert (
+        failures.start_weights({"model.path": "tiny", "model.name": "tiny_pairs", **other}) is None
+    )
+    assert failures.start_weights({"model.path": "tiny"}) is None  # settings not recorded
+
+
 def test_final_checkpoint_is_the_last_complete_one(tmp_path: Path) -> None:
     run_dir = _run_dir(tmp_path, "r", 48)
     (run_dir / "checkpoints" / "step_000050").mkdir()  # crashed while writing: no COMPLETE
@@ -70,6 +86,7 @@ def test_report_table_compares_final_with_start_and_caches(
         "trainer.seed": "0",
         "trainer.val_n": "8",
         "model.max_model_len": "96",
+        **TINY_PAIRS_PARAMS,
     }
     runs = [
         report.RunData(

@@ -139,14 +139,26 @@ def shares(counts: dict[str, int]) -> dict[str, float]:
 
 
 def start_weights(params: dict[str, Any]) -> Path | None:
-    """The weights a run started from, from its recorded config: the shipped tiny model of its
-    preset, or a local `model.path`; None when neither is on this machine."""
-    from bapo_cli.models.tiny import SHIPPED_ROOT
-
-    name = params.get("model.name")
+    """The weights a run started from, from its recorded config: for `model.path=tiny` the
+    build of exactly its recorded `model.tiny.*` settings (the shipped one, or this machine's
+    cached build), for a local `model.path` that directory; None when they are not here."""
     path = params.get("model.path")
-    if path == "tiny" and name and (SHIPPED_ROOT / name / "model.safetensors").exists():
-        return SHIPPED_ROOT / name
+    if path == "tiny":
+        from omegaconf import OmegaConf
+
+        from bapo_cli.config.schema import TinyModelConfig
+        from bapo_cli.models import tiny
+
+        prefix = "model.tiny."
+        recorded = {k[len(prefix) :]: v for k, v in params.items() if k.startswith(prefix)}
+        if not recorded:
+            return None
+        settings = OmegaConf.merge(OmegaConf.structured(TinyModelConfig), recorded)
+        shipped = tiny.shipped_dir(settings)
+        if shipped is not None:
+            return shipped
+        built = tiny.tiny_dir(settings)
+        return built if tiny.is_complete(built) else None
     if path and (Path(path) / "model.safetensors").exists():
         return Path(path)
     return None
