@@ -53,16 +53,14 @@ def load(uri: str, experiment: str = "study_v3") -> list[Run]:
     report.label_runs(data)
     runs = []
     for d in data:
-        values = dict(d.values)
-        shares = [
-            report._mean(d.histories.get(f"tokens/quadrant_{q}_active_mass"))
-            for q in report.QUADRANTS
-        ]
-        values["net entropy push"] = (
-            sum(report.ENTROPY_EFFECT[q] * v for q, v in zip(report.QUADRANTS, shares, strict=True))
-            if all(v is not None for v in shares)
-            else None
-        )
+        values = {**d.values, "net entropy push": report.net_entropy_push(d)}
+        missing = [k for k in ("experiment", "trainer.lr", "trainer.seed") if k not in d.facets]
+        if missing:
+            raise report.ReportError(
+                f"run {d.run_id[:12]} has no {', '.join(missing)}: not a study v3 sweep job "
+                "(its runs are `bapo train -m experiment=study_v3_... trainer.lr=... "
+                "trainer.seed=...`)"
+            )
         runs.append(
             Run(
                 arm=d.facets["experiment"].removeprefix("study_v3_"),

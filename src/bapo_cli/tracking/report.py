@@ -535,6 +535,15 @@ def _same_setting(key: str, baseline_key: str, runs: list[RunData]) -> bool:
     return key == baseline_key
 
 
+def net_entropy_push(run: RunData) -> float | None:
+    """A run's net first-order entropy push of the active loss mass: sum of ENTROPY_EFFECT x the
+    quadrant's active share (mean over steps); > 0 raises entropy. None when not logged."""
+    shares = [_mean(run.histories.get(f"tokens/quadrant_{q}_active_mass")) for q in QUADRANTS]
+    if any(v is None for v in shares):
+        return None
+    return sum(ENTROPY_EFFECT[q] * v for q, v in zip(QUADRANTS, shares, strict=True))
+
+
 def quadrant_table(runs: list[RunData]) -> tuple[list[str], list[list[str]]] | None:
     """The Entropy-Clip quadrant table per group (None when no run logged it): the share of the
     update's loss mass r|A| that active and clipped tokens carry in each quadrant (probability
@@ -552,7 +561,6 @@ def quadrant_table(runs: list[RunData]) -> tuple[list[str], list[list[str]]] | N
     rows = []
     for group, members in groups.items():
         cells: list[str] = []
-        push = []
         for q in QUADRANTS:
             for state in ("active", "clipped"):
                 per_run = [
@@ -560,12 +568,7 @@ def quadrant_table(runs: list[RunData]) -> tuple[list[str], list[list[str]]] | N
                 ]
                 values = [v for v in per_run if v is not None]
                 cells.append(_fmt(sum(values) / len(values) if values else None))
-        for m in members:
-            shares = [_mean(m.histories.get(f"tokens/quadrant_{q}_active_mass")) for q in QUADRANTS]
-            if all(v is not None for v in shares):
-                push.append(
-                    sum(ENTROPY_EFFECT[q] * v for q, v in zip(QUADRANTS, shares, strict=True))
-                )
+        push = [p for p in map(net_entropy_push, members) if p is not None]
         cells.append(f"{sum(push) / len(push):+.3f}" if push else "")
         rows.append([group, str(len(members)), *cells])
     return header, rows
