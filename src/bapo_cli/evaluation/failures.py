@@ -24,11 +24,12 @@ from pathlib import Path
 from typing import Any
 
 from bapo_cli.data.pairs import FAILURE_CLASSES, PAIRS_MAX_TOKENS, failure_class
+from bapo_cli.evaluation.evaluate import SYNTHETIC_VAL_PROBLEMS
 
 CLASSES = ("correct", *FAILURE_CLASSES)
 """Every sample is in exactly one of these; the shares of a checkpoint sum to 1."""
 
-HELD_OUT_PROBLEMS = 200  # the trainer's `val/pairs/*` set (evaluation.SYNTHETIC_VAL_PROBLEMS)
+HELD_OUT_PROBLEMS = SYNTHETIC_VAL_PROBLEMS  # the trainer's `val/pairs/*` set: one number for both
 
 
 def classify(responses: Iterable[str], answers: Iterable[str]) -> dict[str, int]:
