@@ -1,0 +1,175 @@
+"""Study v3's Q1 under two machines or kernel settings: both verdicts and the pooled one.
+
+docs/study-v3.md ("Replication across machines and kernel settings") fixes the rules before the
+runs: per setting, Q1's four comparisons (BAPO − GRPO held-out change at lr 6e-4) with the exact
+permutation p and Holm over the four; pooled, the mean over settings of the within-setting
+difference, with labels permuted *within* each setting (a stratified permutation test), Holm over
+the four; a "yes" is a pooled yes whose difference is positive under both settings.
+
+    python scripts/replicate.py STORE_A STORE_B [--lr 6e-4] [--seeds 0-7]
+
+Each store holds one setting's runs of the grid (MLflow experiment `study_v3`, as the presets set
+it). Stores may hold other cells and lrs: only the Q1 cells at `--lr` are read.
+"""
+
+# ruff: noqa: E501  (markdown table rows read better whole)
+from __future__ import annotations
+
+import argparse
+import itertools
+import math
+import random
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import study_v3  # noqa: E402  (the study's loader, cells, permutation p and Holm: one copy)
+
+COMPARISONS = tuple((arm, algo) for arm in study_v3.STALE for algo in ("bapo0.4", "bapo0.5"))
+KEY = "held-out change"
+
+
+def stratified_permutation_p(
+    strata: list[tuple[list[float], list[float]]], *, samples: int = 200_000
+) -> tuple[float, float]:
+    """(statistic, two-sided p) of the mean over strata of mean(a) − mean(b), under the null that
+    labels are exchangeable within each stratum (never across: a setting shifts both groups).
+
+    Exact over the product of every stratum's relabelings when there are at most `samples` of
+    them, else a seeded Monte-Carlo estimate that counts the observed split."""
+    if not strata or any(not a or not b for a, b in strata):
+        raise ValueError("every stratum needs at least one value on each side")
+
+    def stat_of(stratum: tuple[list[float], list[float]], idx: tuple[int, ...]) -> float:
+        a, b = stratum
+        pooled = [*a, *b]
+        sa = sum(pooled[i] for i in idx)
+        return sa / len(a) - (sum(pooled) - sa) / len(b)
+
+    observed_idx = [tuple(range(len(a))) for a, _ in strata]
+    observed = sum(stat_of(s, i) for s, i in zip(strata, observed_idx, strict=True)) / len(strata)
+    tol = 1e-12 * max(1.0, abs(observed))
+    # each stratum's possible contributions, one per relabeling
+    choices = [
+        [stat_of(s, idx) for idx in itertools.combinations(range(len(s[0]) + len(s[1])), len(s[0]))]
+        for s in strata
+    ]
+    total = math.prod(len(c) for c in choices)
+    if total <= samples:
+        hits = sum(
+            abs(sum(combo) / len(strata)) >= abs(observed) - tol
+            for combo in itertools.product(*choices)
+        )
+        return observed, hits / total
+    rng = random.Random(0)
+    hits = sum(
+        abs(sum(rng.choice(c) for c in choices) / len(strata)) >= abs(observed) - tol
+        for _ in range(samples)
+    )
+    return observed, (hits + 1) / (samples + 1)
+
+
+def verdicts(
+    settings: dict[str, list[study_v3.Run]], lr: float, seeds: set[int] | None = None
+) -> dict[tuple[str, str], dict[str, object]]:
+    """Per Q1 comparison: each setting's (difference, p, Holm-rejected) and the pooled
+    (difference, p, Holm-rejected, answer), by the design's rules."""
+    picked = {
+        name: [r for r in runs if seeds is None or r.seed in seeds]
+        for name, runs in settings.items()
+    }
+    out: dict[tuple[str, str], dict[str, object]] = {c: {} for c in COMPARISONS}
+    for name, runs in picked.items():
+        tested = {}
+        for arm, algo in COMPARISONS:
+            result = study_v3.compare(
+                study_v3.cell(runs, arm, lr, algo, KEY), study_v3.cell(runs, arm, lr, "grpo", KEY)
+            )
+            out[(arm, algo)][name] = result
+            if result is not None:
+                tested[f"{arm}/{algo}"] = result[1]
+        rejected = study_v3.holm(tested)
+        for arm, algo in COMPARISONS:
+            if out[(arm, algo)][name] is not None:
+                diff, p = out[(arm, algo)][name]
+                out[(arm, algo)][name] = (diff, p, rejected[f"{arm}/{algo}"])
+    pooled = {}
+    for arm, algo in COMPARISONS:
+        strata = [
+            (
+                study_v3.cell(runs, arm, lr, algo, KEY),
+                study_v3.cell(runs, arm, lr, "grpo", KEY),
+            )
+            for runs in picked.values()
+        ]
+        if all(a and b for a, b in strata):
+            pooled[(arm, algo)] = stratified_permutation_p(strata)
+    rejected = study_v3.holm({f"{a}/{b}": v[1] for (a, b), v in pooled.items()})
+    for (arm, algo), (diff, p) in pooled.items():
+        signs = [out[(arm, algo)][name] for name in picked]
+        same_sign = all(s is not None and (s[0] > 0) == (diff > 0) for s in signs)
+        sig = rejected[f"{arm}/{algo}"]
+        if not sig:
+            answer = "no"
+        elif not same_sign:
+            answer = "not replicated"
+        elif diff > 0:
+            answer = "yes"
+        else:
+            answer = "replicated harm"
+        out[(arm, algo)]["pooled"] = (diff, p, sig, answer)
+    return out
+
+
+def _cell(result: object) -> str:
+    if result is None:
+        return "missing"
+    diff, p, sig = result[:3]
+    return f"{diff:+.3f}, p = {p:.3f}{' (Holm rejects)' if sig else ''}"
+
+
+def table(results: dict[tuple[str, str], dict[str, object]], names: list[str]) -> str:
+    head = "| arm | BAPO | " + " | ".join(names) + " | pooled | answer |"
+    rows = [head, "|" + " --- |" * (len(names) + 4)]
+    for arm, algo in COMPARISONS:
+        r = results[(arm, algo)]
+        pooled = r.get("pooled")
+        rows.append(
+            f"| {arm} | ρ0 {algo.removeprefix('bapo')} | "
+            + " | ".join(_cell(r.get(n)) for n in names)
+            + f" | {_cell(pooled)} | **{pooled[3] if pooled else 'not determinable'}** |"
+        )
+    return "\n".join(rows) + "\n"
+
+
+def _seeds(text: str | None) -> set[int] | None:
+    if text is None:
+        return None
+    lo, _, hi = text.partition("-")
+    return set(range(int(lo), int(hi or lo) + 1))
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("store_a", help="tracking URI of setting A's runs")
+    parser.add_argument("store_b", help="tracking URI of setting B's runs")
+    parser.add_argument("--lr", type=float, default=6e-4, help="the primary lr (6e-4)")
+    parser.add_argument("--seeds", help="a seed range, e.g. 0-4 (default: every seed found)")
+    parser.add_argument("--names", default="A,B", help="column names of the two stores")
+    args = parser.parse_args(argv)
+    names = args.names.split(",")
+    if len(names) != 2:
+        print("replicate: --names takes two names, e.g. A,B", file=sys.stderr)
+        return 2
+    try:
+        settings = {names[0]: study_v3.load(args.store_a), names[1]: study_v3.load(args.store_b)}
+    except study_v3.report.ReportError as err:
+        print(f"replicate: {err}", file=sys.stderr)
+        return 2
+    print(table(verdicts(settings, args.lr, _seeds(args.seeds)), names), end="")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))

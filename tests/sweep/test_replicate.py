@@ -1,0 +1,95 @@
+"""scripts/replicate.py: issue 32's two-setting verdicts (the stratified permutation test, the
+pooled answer rules) on hand-made runs; the study's loader is tested in test_study_v3."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tests.conftest import REPO
+
+
+def _script():
+    sys.path.insert(0, str(REPO / "scripts"))
+    spec = importlib.util.spec_from_file_location("replicate", REPO / "scripts" / "replicate.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["replicate"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+rep = _script()
+study_v3 = sys.modules["study_v3"]
+
+values = st.lists(st.integers(-50, 50).map(lambda v: v / 100), min_size=1, max_size=4)
+
+
+@settings(max_examples=60, deadline=None)
+@given(values, values)
+def test_one_stratum_is_the_study_permutation_test(a, b) -> None:
+    stat, p = rep.stratified_permutation_p([(a, b)])
+    assert stat == pytest.approx(sum(a) / len(a) - sum(b) / len(b))
+    assert p == pytest.approx(study_v3.permutation_p(a, b))
+
+
+def test_two_strata_by_hand() -> None:
+    # each stratum relabels to +1 or -1; the mean over strata is 1, 0, 0, -1: two of four reach |1|
+    assert rep.stratified_permutation_p([([1.0], [0.0]), ([1.0], [0.0])]) == (1.0, 0.5)
+    # a shift between strata is not evidence: labels never cross strata
+    shifted = [([1.0, 1.1], [0.0, 0.1]), ([11.0, 11.1], [10.0, 10.1])]
+    stat, p = rep.stratified_permutation_p(shifted)
+    assert stat == pytest.approx(1.0)
+    # 6 x 6 relabelings; |mean| >= 1 only for the observed split and its mirror in both strata
+    assert p == pytest.approx(2 / 36)
+
+
+def test_monte_carlo_agrees_with_exact() -> None:
+    strata = [([0.1, 0.3, 0.2, 0.4], [0.0, 0.1, -0.1, 0.2]), ([0.2, 0.1, 0.3], [0.1, 0.0, 0.05])]
+    _, exact = rep.stratified_permutation_p(strata)
+    _, approx = rep.stratified_permutation_p(strata, samples=1_000)  # 70 x 20 > 1000: sampled
+    assert abs(exact - approx) < 0.03
+
+
+def test_empty_stratum_is_refused() -> None:
+    with pytest.raises(ValueError, match="each side"):
+        rep.stratified_permutation_p([([1.0], [])])
+
+
+def _runs(shift: dict[tuple[str, str], float], seeds=range(5)) -> list:
+    """GRPO at 0 (+ seed noise) and each BAPO cell at `shift`, in the two stale arms at 6e-4."""
+    runs = []
+    for arm in study_v3.STALE:
+        for algo in ("grpo", "bapo0.4", "bapo0.5"):
+            for seed in seeds:
+                change = shift.get((arm, algo), 0.0) + 0.01 * ((seed * 7) % 5 - 2)
+                runs.append(study_v3.Run(arm, 6e-4, algo, seed, {"held-out change": change}))
+    return runs
+
+
+def test_verdicts_follow_the_design_rules() -> None:
+    both = {("reuse8", "bapo0.5"): 0.08, ("lag8", "bapo0.4"): -0.08}
+    flip = {("reuse8", "bapo0.5"): 0.20, ("lag8", "bapo0.4"): -0.08}
+    a = _runs(both)
+    b = _runs({**both, ("reuse8", "bapo0.5"): -0.02})  # the yes flips sign in setting B
+    out = rep.verdicts({"A": a, "B": _runs(both)}, 6e-4)
+    assert out[("reuse8", "bapo0.5")]["pooled"][3] == "yes"
+    assert out[("lag8", "bapo0.4")]["pooled"][3] == "replicated harm"
+    assert out[("reuse8", "bapo0.4")]["pooled"][3] == "no"
+    assert out[("reuse8", "bapo0.5")]["A"][2] is True  # 5 v 5 separated: p = 2/252, Holm rejects
+    flipped = rep.verdicts({"A": _runs(flip), "B": b}, 6e-4)
+    diff, p, sig, answer = flipped[("reuse8", "bapo0.5")]["pooled"]
+    assert diff == pytest.approx((0.20 - 0.02) / 2) and sig and answer == "not replicated"
+    # --seeds keeps the chosen seeds only
+    few = rep.verdicts({"A": a, "B": a}, 6e-4, seeds={0, 1})
+    assert few[("reuse8", "bapo0.5")]["A"][1] == pytest.approx(
+        study_v3.permutation_p(
+            study_v3.cell([r for r in a if r.seed < 2], "reuse8", 6e-4, "bapo0.5", rep.KEY),
+            study_v3.cell([r for r in a if r.seed < 2], "reuse8", 6e-4, "grpo", rep.KEY),
+        )
+    )
+    table = rep.table(out, ["A", "B"])
+    assert "| reuse8 | ρ0 0.5 |" in table and "**yes**" in table and "**replicated harm**" in table
