@@ -1,17 +1,22 @@
-"""BAPO's Algorithm 1 as the paper writes it: the per-bin sums (`BoundAccumulator`) and the walk
-along the path (`_solve`). The semantics, choices and how the one pass works: `bounds`."""
+"""BAPO's Algorithm 1 as the paper writes it: the per-bin sums (`BoundAccumulator`, the
+`PathAccumulator` of rule "paper") and the walk along the path (`_solve`). The semantics, choices
+and how the one pass works: `bounds`."""
 
 from __future__ import annotations
 
-import math
-from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 from bapo_cli.algos.bapo_locator import _keyed_inputs, _Locator, _locator
-from bapo_cli.algos.bapo_path import PAPER, BapoBounds, BoundPath, check_rho0, rho_from_sums
-from bapo_cli.algos.params import ParamError, number
+from bapo_cli.algos.bapo_path import (
+    PAPER,
+    BapoBounds,
+    BoundPath,
+    PathAccumulator,
+    check_rho0,
+    rho_from_sums,
+)
 
 
 def _rho_curve(path: BoundPath, sums: list[float]) -> tuple[list[float], list[float], bool]:
@@ -72,34 +77,7 @@ def _solve(path: BoundPath, sums: list[float], rho0: float) -> BapoBounds:
     )
 
 
-def _checked_dual_clip(dual_clip: float | None, path: BoundPath) -> float | None:
-    """The dual clip as a float, above every c_low the path can take (or None)."""
-    dual = None if dual_clip is None else number("dual_clip", dual_clip)
-    if dual is not None and not (path.low_values[-1] < dual < math.inf):
-        raise ParamError(
-            "dual_clip",
-            dual_clip,
-            f"must be finite and > the largest c_low ({path.low_values[-1]}), or None",
-        )
-    return dual
-
-
-def _summed_to_host(sums: torch.Tensor | None, size: int, group: Any) -> list[float]:
-    """A search's bin sums (zeros when nothing was added), all-reduced over `group` when given,
-    read to the host: the one sync of a search. A rank with no tokens still joins the reduce, on
-    the GPU when the backend is NCCL."""
-    sums = sums if sums is not None else torch.zeros(size, dtype=torch.float64)
-    if group is not None:
-        import torch.distributed as dist
-
-        sums = sums.clone()
-        if dist.get_backend(group) == "nccl" and sums.device.type != "cuda":
-            sums = sums.cuda()
-        dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=group)
-    return sums.tolist()
-
-
-class BoundAccumulator:
+class BoundAccumulator(PathAccumulator, rule="paper"):
     """Additive per-path-point sums, so micro-batches and ranks can be solved once together.
 
     >>> acc = BoundAccumulator()                       # paper ranges and steps
@@ -113,20 +91,6 @@ class BoundAccumulator:
     must call `solve` with the same group (and `add` at least once, even with an empty mask, so
     the vector lives on the rank's device).
     """
-
-    def __init__(
-        self,
-        *,
-        low_range: Sequence[float] = PAPER.low_range,
-        high_range: Sequence[float] = PAPER.high_range,
-        low_step: float = PAPER.low_step,
-        high_step: float = PAPER.high_step,
-        dual_clip: float | None = None,
-    ) -> None:
-        self.path = BoundPath.build(low_range, high_range, low_step, high_step)
-        self.dual_clip = _checked_dual_clip(dual_clip, self.path)
-        self._lead = 0 if dual_clip is None else 1  # leading bin: dual-clipped negatives
-        self._sums: torch.Tensor | None = None
 
     def _locator(self, dtype: torch.dtype, device: torch.device) -> _Locator:
         path = self.path
@@ -179,8 +143,7 @@ class BoundAccumulator:
 
     def _host_sums(self, group: Any) -> list[float]:
         """All-reduce (optional) and read the sums to the host: the one sync of the search."""
-        size = self.path.n_high + self.path.n_low + 4 + self._lead
-        return _summed_to_host(self._sums, size, group)[self._lead :]
+        return self._host_values(group)[self._lead :]
 
     def rho_along_path(self, group: Any = None) -> list[float]:
         """rho at every path point (K numbers, one host read): for logging the curve or checking
@@ -191,7 +154,3 @@ class BoundAccumulator:
             rho_from_sums(pos_at[min(k, n_h)], neg_at[max(0, k - n_h)])
             for k in range(len(self.path))
         ]
-
-    def reset(self) -> None:
-        """Forget the added sums (start the next optimizer step)."""
-        self._sums = None

@@ -1,17 +1,23 @@
-"""BAPO's search settings and its fixed path of bound pairs (`BoundSearch`, `BoundPath`),
-shared by both searches: the paper's Algorithm 1 (`bapo_algorithm1`) and the authors' public
-recipe (`bapo_recipe`). What the search does and why: `bounds` (the family's module docstring)."""
+"""What both bound searches share, owned here so that they import it and not each other: the
+settings (`BoundSearch`, `PAPER`), the fixed path of bound pairs (`BoundPath`), the result
+(`BapoBounds`) and the accumulator's base (`PathAccumulator`: the path, the dual clip, the bin
+sums, their one all-reduce and host read). The paper's Algorithm 1 (`bapo_algorithm1`) and the
+authors' public recipe (`bapo_recipe`) subclass it, each registering under its `rule`, so that
+`BoundSearch.accumulator` picks one by name without importing either. What the search does and
+why: `bounds` (the family's module docstring and entry point)."""
 
 from __future__ import annotations
 
+import abc
 import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from decimal import Decimal
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
+import torch.distributed as dist
 
 from bapo_cli.algos.params import ParamError, number, one_of, param
 
@@ -149,14 +155,10 @@ class BoundSearch:
             self.low_range, self.high_range, self.low_step, self.high_step, rule=self.rule
         )
 
-    def accumulator(self, dual_clip: float | None = None) -> Any:
-        """An empty accumulator over this path (`RecipeAccumulator` for rule=recipe);
-        `solve(self.rho0)` it after adding."""
-        from bapo_cli.algos.bapo_algorithm1 import BoundAccumulator  # they import this module
-        from bapo_cli.algos.bapo_recipe import RecipeAccumulator
-
-        cls = RecipeAccumulator if self.rule == "recipe" else BoundAccumulator
-        return cls(
+    def accumulator(self, dual_clip: float | None = None) -> PathAccumulator:
+        """An empty accumulator over this path, the search of this rule (`BoundAccumulator`;
+        `RecipeAccumulator` for rule=recipe); `solve(self.rho0)` it after adding."""
+        return PathAccumulator.of_rule(self.rule)(
             low_range=self.low_range,
             high_range=self.high_range,
             low_step=self.low_step,
@@ -261,3 +263,100 @@ def rho_from_sums(pos: float, neg: float) -> float:
     """rho = P / (P + N), with the convention rho = 1 when no token carries mass (0/0)."""
     total = pos + neg
     return pos / total if total > 0 else 1.0
+
+
+def _checked_dual_clip(dual_clip: float | None, path: BoundPath) -> float | None:
+    """The dual clip as a float, above every c_low the path can take (or None)."""
+    dual = None if dual_clip is None else number("dual_clip", dual_clip)
+    if dual is not None and not (path.low_values[-1] < dual < math.inf):
+        raise ParamError(
+            "dual_clip",
+            dual_clip,
+            f"must be finite and > the largest c_low ({path.low_values[-1]}), or None",
+        )
+    return dual
+
+
+def _summed_to_host(sums: torch.Tensor | None, size: int, group: Any) -> list[float]:
+    """A search's bin sums (zeros when nothing was added), all-reduced over `group` when given,
+    read to the host: the one sync of a search. A rank with no tokens still joins the reduce, on
+    the GPU when the backend is NCCL."""
+    sums = sums if sums is not None else torch.zeros(size, dtype=torch.float64)
+    if group is not None:
+        sums = sums.clone()
+        if dist.get_backend(group) == "nccl" and sums.device.type != "cuda":
+            sums = sums.cuda()
+        dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=group)
+    return sums.tolist()
+
+
+class PathAccumulator(abc.ABC):
+    """What both searches' accumulators hold and do alike: additive per-bin sums over one path,
+    so that micro-batches and ranks are solved once together.
+
+    A subclass is one search, registered under its rule by its class statement
+    (``class BoundAccumulator(PathAccumulator, rule="paper")``); `BoundSearch.accumulator` looks
+    it up by name (`of_rule`). The path follows the rule; with a dual clip a leading bin holds
+    the dual-clipped negatives. `add` bins tokens (no host sync), `solve` all-reduces the sums
+    over `group` (optional), reads them once and walks the path.
+    """
+
+    rule: ClassVar[str]
+    _by_rule: ClassVar[dict[str, type[PathAccumulator]]] = {}
+
+    def __init_subclass__(cls, *, rule: str | None = None, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if rule is None:  # a subclass of a search: same rule, not registered again
+            return
+        if rule not in RULES or rule in PathAccumulator._by_rule:
+            raise TypeError(f"{cls.__name__}: rule {rule!r} is not one of {RULES} or is taken")
+        cls.rule = rule
+        PathAccumulator._by_rule[rule] = cls
+
+    @staticmethod
+    def of_rule(rule: str) -> type[PathAccumulator]:
+        """The accumulator class of `rule` (both are defined when `bapo_cli.algos` is imported:
+        the package imports `bounds`, which imports them)."""
+        one_of("rule", rule, RULES)
+        return PathAccumulator._by_rule[rule]
+
+    def __init__(
+        self,
+        *,
+        low_range: Sequence[float] = PAPER.low_range,
+        high_range: Sequence[float] = PAPER.high_range,
+        low_step: float = PAPER.low_step,
+        high_step: float = PAPER.high_step,
+        dual_clip: float | None = None,
+    ) -> None:
+        self.path = BoundPath.build(low_range, high_range, low_step, high_step, rule=self.rule)
+        self.dual_clip = _checked_dual_clip(dual_clip, self.path)
+        self._lead = 0 if dual_clip is None else 1  # leading bin: dual-clipped negatives
+        self._sums: torch.Tensor | None = None
+
+    @property
+    def _size(self) -> int:
+        """Bins per sum: the K + 3 of the path, plus the leading bin with a dual clip."""
+        return self.path.n_high + self.path.n_low + 4 + self._lead
+
+    def _host_values(self, group: Any, per_bin: int = 1) -> list[float]:
+        """The sums (`per_bin` per bin, one after the other), all-reduced and read to the host."""
+        return _summed_to_host(self._sums, per_bin * self._size, group)
+
+    @abc.abstractmethod
+    def add(
+        self,
+        ratio: torch.Tensor,
+        advantages: torch.Tensor,
+        mask: torch.Tensor,
+        weights: torch.Tensor | None = None,
+    ) -> None:
+        """Add one batch of tokens (any shape, all four tensors the same shape); no host sync."""
+
+    @abc.abstractmethod
+    def solve(self, rho0: float = PAPER.rho0, group: Any = None) -> BapoBounds:
+        """Walk the path on everything added so far (one all-reduce, one host read)."""
+
+    def reset(self) -> None:
+        """Forget the added sums (start the next optimizer step)."""
+        self._sums = None

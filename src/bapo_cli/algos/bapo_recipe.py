@@ -1,28 +1,28 @@
 """The bound search of the authors' public verl recipe (`BoundSearch(rule="recipe")`,
-`algo=bapo_recipe`), with `BoundAccumulator`'s interface and one-pass computation."""
+`algo=bapo_recipe`): the `PathAccumulator` of rule "recipe", with `BoundAccumulator`'s interface
+and one-pass computation (it shares the path and the token look-up, not Algorithm 1's code)."""
 
 from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Sequence
 from typing import Any
 
 import torch
 
-from bapo_cli.algos.bapo_algorithm1 import _checked_dual_clip, _summed_to_host
 from bapo_cli.algos.bapo_locator import _keyed_inputs, _locator
 from bapo_cli.algos.bapo_path import (
     PAPER,
     RECIPE_EPS,
     BapoBounds,
     BoundPath,
+    PathAccumulator,
     check_rho0,
     rho_from_sums,
 )
 
 
-class RecipeAccumulator:
+class RecipeAccumulator(PathAccumulator, rule="recipe"):
     """The bound search of the authors' public verl recipe (`BoundSearch(rule="recipe")`), with
     `BoundAccumulator`'s interface (`add`, `solve`, `reset`) and its one-pass computation.
 
@@ -44,24 +44,6 @@ class RecipeAccumulator:
     The result reports the sums of the gradient-carrying tokens (pos, neg, rho), the same
     quantity every loss reports, so `actor/rho` compares across algorithms.
     """
-
-    def __init__(
-        self,
-        *,
-        low_range: Sequence[float] = PAPER.low_range,
-        high_range: Sequence[float] = PAPER.high_range,
-        low_step: float = PAPER.low_step,
-        high_step: float = PAPER.high_step,
-        dual_clip: float | None = None,
-    ) -> None:
-        self.path = BoundPath.build(low_range, high_range, low_step, high_step, rule="recipe")
-        self.dual_clip = _checked_dual_clip(dual_clip, self.path)
-        self._lead = 0 if dual_clip is None else 1  # leading bin: dual-clipped negatives
-        self._sums: torch.Tensor | None = None
-
-    @property
-    def _size(self) -> int:
-        return self.path.n_high + self.path.n_low + 4 + self._lead
 
     def add(
         self,
@@ -93,14 +75,10 @@ class RecipeAccumulator:
         """Walk the recipe's path; one all-reduce over `group` (optional), one host read."""
         rho0 = check_rho0(rho0)
         size = self._size
-        values = _summed_to_host(self._sums, 2 * size, group)
+        values = self._host_values(group, per_bin=2)
         mass, weight = values[:size], values[size:]
         dual_mass = mass[0] if self._lead else 0.0  # dual-clipped negatives: r |A|, never active
         return _solve_recipe(self.path, mass[self._lead :], weight[self._lead :], dual_mass, rho0)
-
-    def reset(self) -> None:
-        """Forget the added sums (start the next optimizer step)."""
-        self._sums = None
 
 
 def _suffix_sums(values: list[float]) -> list[float]:

@@ -77,9 +77,11 @@ here once; `losses.bapo_loss`, `BoundAccumulator`, `adaptive_bounds`, the traine
 Run it: ``bapo train algo=bapo``; use it from another trainer: docs/bapo.md.
 
 Where the code is (one module per piece, this one the family's entry point, whose names every
-caller imports): `bapo_path` (`BoundSearch`, `BoundPath`, `BapoBounds`, `PAPER`),
-`bapo_locator` (the one-pass table look-up), `bapo_algorithm1` (`BoundAccumulator`, the paper's
-walk), `bapo_recipe` (`RecipeAccumulator`, the recipe's walk) and `adaptive_bounds` here.
+caller imports), imported one way: `bapo_path` owns what both searches share (`BoundSearch`,
+`BoundPath`, `BapoBounds`, `PAPER`, the accumulator base `PathAccumulator`) and imports neither;
+`bapo_locator` (the one-pass table look-up) imports it; `bapo_algorithm1` (`BoundAccumulator`,
+the paper's walk) and `bapo_recipe` (`RecipeAccumulator`, the recipe's walk) import those two,
+not each other, and register under their rule; `adaptive_bounds` here imports them all.
 """
 
 from __future__ import annotations
@@ -101,6 +103,7 @@ from bapo_cli.algos.bapo_path import (
     BapoBounds,
     BoundPath,
     BoundSearch,
+    PathAccumulator,
     check_rho0,
     compute_dtype,
     path_value,
@@ -118,6 +121,7 @@ __all__ = [
     "BoundAccumulator",
     "BoundPath",
     "BoundSearch",
+    "PathAccumulator",
     "adaptive_bounds",
     "rho_from_sums",
     "MAX_PATH_POINTS",

@@ -25,11 +25,10 @@ import torch
 
 from bapo_cli.algos.core import (
     REGISTRY,
+    Aggregation,
     Tensor,
-    _check_agg,
     _check_dual_clip,
     _rounded,
-    aggregate,
     check_eps,
     prepare_tokens,
     surrogate_metrics,
@@ -91,7 +90,7 @@ def ce_gppo_loss(
     CEGPPOParams(eps_low=eps_low, eps_high=eps_high, beta1=beta1, beta2=beta2)
     c_low, c_high = 1.0 - float(eps_low), 1.0 + float(eps_high)
     dual_clip = _check_dual_clip(dual_clip, c_low)
-    _check_agg(agg, log_prob.dim())
+    aggregation = Aggregation.checked(log_prob.dim(), agg, global_tokens, global_seqs, norm_len)
     tok = prepare_tokens(log_prob, old_log_prob, advantages, mask)
     r, adv = tok.r, tok.adv
     lo, hi = _rounded(c_low, r), _rounded(c_high, r)
@@ -109,14 +108,7 @@ def ce_gppo_loss(
         dual = tok.neg & (torch.where(low, scale, r) > upper)
         r_eff = torch.where(dual, torch.full_like(r, upper), r_eff)
     loss_tok = -adv * r_eff
-    loss = aggregate(
-        loss_tok,
-        tok.valid,
-        agg,
-        global_tokens=global_tokens,
-        global_seqs=global_seqs,
-        norm_len=norm_len,
-    )
+    loss = aggregation(loss_tok, tok.valid)
     weight = torch.where(low | high, scale, r)
     metrics = surrogate_metrics(
         tok,

@@ -10,10 +10,9 @@ import torch
 
 from bapo_cli.algos.core import (
     REGISTRY,
+    Aggregation,
     Tensor,
-    _check_agg,
     _rounded,
-    aggregate,
     prepare_tokens,
     surrogate_metrics,
 )
@@ -71,20 +70,13 @@ def cispo_loss(
     """
     CISPOParams(eps_low=eps_low, eps_high=eps_high)
     c_low, c_high = max(0.0, 1.0 - float(eps_low)), 1.0 + float(eps_high)
-    _check_agg(agg, log_prob.dim())
+    aggregation = Aggregation.checked(log_prob.dim(), agg, global_tokens, global_seqs, norm_len)
     tok = prepare_tokens(log_prob, old_log_prob, advantages, mask)
     lo, hi = _rounded(c_low, tok.r), _rounded(c_high, tok.r)
     weight = tok.r.clamp(min=lo, max=hi)  # detached IS weight
     logp = torch.where(tok.valid, log_prob, 0.0)  # no 0 * inf on masked or non-finite tokens
     loss_tok = -tok.adv * weight * logp
-    loss = aggregate(
-        loss_tok,
-        tok.valid,
-        agg,
-        global_tokens=global_tokens,
-        global_seqs=global_seqs,
-        norm_len=norm_len,
-    )
+    loss = aggregation(loss_tok, tok.valid)
     signed = tok.pos | tok.neg
     metrics = surrogate_metrics(
         tok,

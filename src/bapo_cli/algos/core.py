@@ -1,7 +1,11 @@
 """What every loss shares: the registry (`REGISTRY`, `LossEntry`, `policy_loss`), the token
-preparation (`prepare_tokens`), the masked aggregation (`aggregate`), the clipped surrogate
-(`clipped_surrogate`) and the metric set every loss reports (`surrogate_metrics`). The
-conventions (activity masks, non-finite tokens, shapes, metrics) are in `losses`'s docstring."""
+preparation (`prepare_tokens`), the masked aggregation (`aggregate`; `Aggregation` carries its
+four keyword arguments through a loss), the clipped surrogate (`clipped_surrogate`,
+`surrogate_dropping`) and the metric set every loss reports (`surrogate_metrics`; `clip_metrics`
+for a loss that clips a ratio). A loss's own module keeps its formula and what it decides per
+token (which tokens carry gradient, with what weight, which count as clipped); the bookkeeping
+from there to the loss and its metrics is here. The conventions (activity masks, non-finite
+tokens, shapes, metrics) are in `losses`'s docstring."""
 
 from __future__ import annotations
 
@@ -245,6 +249,44 @@ def aggregate(
     return seq_loss.sum() / (n_seqs * horizon)
 
 
+@dataclass(frozen=True)
+class Aggregation:
+    """How a loss turns its per-token losses into the loss: `agg` and the gradient-accumulation
+    normalisers, the four keyword arguments every loss takes and hands on unchanged (see
+    `aggregate`). ``Aggregation.checked(log_prob.dim(), agg, ...)`` at the top of a loss checks
+    the mode against the shapes before any work; ``aggregation(loss_tok, tok.valid)`` at its end
+    is `aggregate` with them."""
+
+    agg: str = "token-mean"
+    global_tokens: float | Tensor | None = None
+    global_seqs: float | Tensor | None = None
+    norm_len: float | None = None
+
+    @classmethod
+    def checked(
+        cls,
+        dim: int,
+        agg: str,
+        global_tokens: float | Tensor | None,
+        global_seqs: float | Tensor | None,
+        norm_len: float | None,
+    ) -> Aggregation:
+        """The loss's aggregation, its mode valid for tensors of `dim` dimensions (the
+        normalisers are checked when it aggregates, as `aggregate` does)."""
+        _check_agg(agg, dim)
+        return cls(agg, global_tokens, global_seqs, norm_len)
+
+    def __call__(self, loss_tok: Tensor, valid: Tensor) -> Tensor:
+        return aggregate(
+            loss_tok,
+            valid,
+            self.agg,
+            global_tokens=self.global_tokens,
+            global_seqs=self.global_seqs,
+            norm_len=self.norm_len,
+        )
+
+
 def token_activity(
     tok: Tokens, c_low: float, c_high: float, dual_clip: float | None = None
 ) -> tuple[Tensor, Tensor]:
@@ -316,6 +358,54 @@ def surrogate_metrics(
     return metrics
 
 
+def clip_metrics(
+    tok: Tokens,
+    ratio: Tensor,
+    active_pos: Tensor,
+    active_neg: Tensor,
+    c_low: float,
+    c_high: float,
+    *,
+    dropped: Tensor | None = None,
+) -> dict[str, Any]:
+    """`surrogate_metrics` of a loss that clips `ratio` (r_t; GSPO: s_i) at (c_low, c_high): the
+    clipped ratio is its gradient weight, and a token at or beyond its side's bound (A < 0:
+    ratio <= c_low, A > 0: ratio >= c_high) counts as clipped, as does a token in `dropped`."""
+    lo, hi = _rounded(c_low, ratio), _rounded(c_high, ratio)
+    low, high = ratio <= lo, ratio >= hi
+    if dropped is not None:
+        low, high = low | dropped, high | dropped
+    return surrogate_metrics(
+        tok,
+        ratio=ratio,
+        weight=ratio,
+        active_pos=active_pos,
+        active_neg=active_neg,
+        clipped_low=tok.neg & low,
+        clipped_high=tok.pos & high,
+        c_low=c_low,
+        c_high=c_high,
+    )
+
+
+def _clip(
+    tok: Tokens, c_low: float, c_high: float, dual_clip: float | None, aggregation: Aggregation
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The clipped surrogate's loss and its (active_pos, active_neg) masks."""
+    r, adv = tok.r, tok.adv
+    lo, hi = _rounded(c_low, r), _rounded(c_high, r)
+    upper_neg = None if dual_clip is None else _rounded(dual_clip, r)
+    # Clip: which tokens carry gradient (the bound search uses these very comparisons).
+    active_pos, active_neg = token_activity(tok, c_low, c_high, dual_clip)
+    active = active_pos | active_neg
+    # Value of the surrogate ratio of a clipped token: min(r, c_high) for A > 0,
+    # min(max(r, c_low), dual_clip) for A < 0. Active tokens keep r_t with its gradient.
+    r_clipped = torch.where(tok.pos, r.clamp(max=hi), r.clamp(min=lo, max=upper_neg))
+    r_eff = torch.where(active, tok.ratio, r_clipped)  # [B, T]
+    loss_tok = -adv * r_eff  # [B, T]; 0 off the mask (adv is 0 there)
+    return aggregation(loss_tok, tok.valid), active_pos, active_neg
+
+
 def clipped_surrogate(
     tok: Tokens,
     c_low: float,
@@ -328,39 +418,9 @@ def clipped_surrogate(
     norm_len: float | None = None,
 ) -> tuple[Tensor, dict[str, Any]]:
     """clip -> per-token loss -> masked aggregation, given bounds (c_low, c_high)."""
-    r, adv = tok.r, tok.adv
-    lo, hi = _rounded(c_low, r), _rounded(c_high, r)
-    upper_neg = None if dual_clip is None else _rounded(dual_clip, r)
-    # Clip: which tokens carry gradient (the bound search uses these very comparisons).
-    active_pos, active_neg = token_activity(tok, c_low, c_high, dual_clip)
-    active = active_pos | active_neg
-    # Value of the surrogate ratio of a clipped token: min(r, c_high) for A > 0,
-    # min(max(r, c_low), dual_clip) for A < 0. Active tokens keep r_t with its gradient.
-    r_clipped = torch.where(tok.pos, r.clamp(max=hi), r.clamp(min=lo, max=upper_neg))
-    r_eff = torch.where(active, tok.ratio, r_clipped)  # [B, T]
-    loss_tok = -adv * r_eff  # [B, T]; 0 off the mask (adv is 0 there)
-    loss = aggregate(
-        loss_tok,
-        tok.valid,
-        agg,
-        global_tokens=global_tokens,
-        global_seqs=global_seqs,
-        norm_len=norm_len,
-    )
-    clipped_low = tok.neg & (r <= lo)
-    clipped_high = tok.pos & (r >= hi)
-    metrics = surrogate_metrics(
-        tok,
-        ratio=r,
-        weight=r,
-        active_pos=active_pos,
-        active_neg=active_neg,
-        clipped_low=clipped_low,
-        clipped_high=clipped_high,
-        c_low=c_low,
-        c_high=c_high,
-    )
-    return loss, metrics
+    aggregation = Aggregation(agg, global_tokens, global_seqs, norm_len)
+    loss, active_pos, active_neg = _clip(tok, c_low, c_high, dual_clip, aggregation)
+    return loss, clip_metrics(tok, tok.r, active_pos, active_neg, c_low, c_high)
 
 
 def check_eps(eps_low: float, eps_high: float) -> None:
@@ -401,28 +461,6 @@ def surrogate_dropping(
         neg=adv < 0,
         valid=tok.valid if in_denominator else tok.valid & ~drop,
     )
-    loss, _ = clipped_surrogate(
-        kept,
-        c_low,
-        c_high,
-        dual_clip=dual_clip,
-        agg=agg,
-        global_tokens=global_tokens,
-        global_seqs=global_seqs,
-        norm_len=norm_len,
-    )
-    r = tok.r
-    lo, hi = _rounded(c_low, r), _rounded(c_high, r)
-    active_pos, active_neg = token_activity(kept, c_low, c_high, dual_clip)
-    metrics = surrogate_metrics(
-        tok,
-        ratio=r,
-        weight=r,
-        active_pos=active_pos,
-        active_neg=active_neg,
-        clipped_low=tok.neg & ((r <= lo) | drop),
-        clipped_high=tok.pos & ((r >= hi) | drop),
-        c_low=c_low,
-        c_high=c_high,
-    )
-    return loss, metrics
+    aggregation = Aggregation(agg, global_tokens, global_seqs, norm_len)
+    loss, active_pos, active_neg = _clip(kept, c_low, c_high, dual_clip, aggregation)
+    return loss, clip_metrics(tok, tok.r, active_pos, active_neg, c_low, c_high, dropped=drop)

@@ -26,11 +26,11 @@ import torch
 
 from bapo_cli.algos.core import (
     REGISTRY,
+    Aggregation,
     Tensor,
     Tokens,
     _check_agg,
     _check_dual_clip,
-    aggregate,
     check_eps,
     prepare_tokens,
     surrogate_dropping,
@@ -211,19 +211,12 @@ def kl_cov_loss(
     CISPO) and c_high the largest ratio of the call (nothing above it was clipped). dual_clip is
     not used (verl's kl_cov has none)."""
     KLCovParams(kl_cov_ratio=kl_cov_ratio, kl_coef=kl_coef)
-    _check_agg(agg, log_prob.dim())
+    aggregation = Aggregation.checked(log_prob.dim(), agg, global_tokens, global_seqs, norm_len)
     tok = prepare_tokens(log_prob, old_log_prob, advantages, mask)
     selected = kl_cov_select(tok, log_prob, float(kl_cov_ratio))
     abs_log_ratio = torch.where(selected, log_prob - old_log_prob, 0.0).abs()
     loss_tok = -tok.adv * tok.ratio + float(kl_coef) * abs_log_ratio
-    loss = aggregate(
-        loss_tok,
-        tok.valid,
-        agg,
-        global_tokens=global_tokens,
-        global_seqs=global_seqs,
-        norm_len=norm_len,
-    )
+    loss = aggregation(loss_tok, tok.valid)
     ratio_max = float(torch.where(tok.valid, tok.r, 0.0).max()) if tok.r.numel() else 1.0
     metrics = surrogate_metrics(
         tok,

@@ -30,10 +30,9 @@ import torch
 
 from bapo_cli.algos.core import (
     REGISTRY,
+    Aggregation,
     Tensor,
-    _check_agg,
     _rounded,
-    aggregate,
     prepare_tokens,
     surrogate_metrics,
 )
@@ -128,40 +127,27 @@ def dppo_keep(
 
 def _dppo(
     divergence: str,
+    params: DPPOTVParams,
     log_prob: Tensor,
     old_log_prob: Tensor,
     advantages: Tensor,
     mask: Tensor,
-    *,
-    delta_low: float,
-    delta_high: float,
-    ratio_cap: float,
-    agg: str,
-    global_tokens: float | Tensor | None,
-    global_seqs: float | Tensor | None,
-    norm_len: float | None,
+    aggregation: Aggregation,
 ) -> tuple[Tensor, dict[str, Any]]:
-    _check_agg(agg, log_prob.dim())
+    """Both variants: the kept tokens' truncated-IS policy gradient (module docstring)."""
     tok = prepare_tokens(log_prob, old_log_prob, advantages, mask)
     keep = tok.valid & dppo_keep(
         torch.where(tok.valid, log_prob, 0.0),
         torch.where(tok.valid, old_log_prob, 0.0),
         tok.adv,
         divergence=divergence,
-        delta_low=float(delta_low),
-        delta_high=float(delta_high),
+        delta_low=float(params.delta_low),
+        delta_high=float(params.delta_high),
     )
-    weight = tok.r.clamp(max=_rounded(ratio_cap, tok.r))  # sg(min(r, C))
+    weight = tok.r.clamp(max=_rounded(params.ratio_cap, tok.r))  # sg(min(r, C))
     logp = torch.where(keep, log_prob, 0.0)  # no 0 * inf on masked or non-finite tokens
     loss_tok = -tok.adv * weight * logp
-    loss = aggregate(
-        loss_tok,
-        tok.valid,
-        agg,
-        global_tokens=global_tokens,
-        global_seqs=global_seqs,
-        norm_len=norm_len,
-    )
+    loss = aggregation(loss_tok, tok.valid)
     metrics = surrogate_metrics(
         tok,
         ratio=tok.r,
@@ -170,8 +156,8 @@ def _dppo(
         active_neg=tok.neg & keep,
         clipped_low=tok.neg & ~keep,
         clipped_high=tok.pos & ~keep,
-        c_low=1.0 - float(delta_low),
-        c_high=1.0 + float(delta_high),
+        c_low=1.0 - float(params.delta_low),
+        c_high=1.0 + float(params.delta_high),
     )
     return loss, metrics
 
@@ -196,21 +182,9 @@ def dppo_tv_loss(
     (A < 0 / A > 0); DPPO has no ratio bounds, so c_low / c_high report 1 - delta_low and
     1 + delta_high (a token with pi_old = 1 is masked there). dual_clip is not used: the
     weight is capped by ratio_cap instead (verl replaces the dual clip the same way)."""
-    DPPOTVParams(delta_low=delta_low, delta_high=delta_high, ratio_cap=ratio_cap)
-    return _dppo(
-        "tv",
-        log_prob,
-        old_log_prob,
-        advantages,
-        mask,
-        delta_low=delta_low,
-        delta_high=delta_high,
-        ratio_cap=ratio_cap,
-        agg=agg,
-        global_tokens=global_tokens,
-        global_seqs=global_seqs,
-        norm_len=norm_len,
-    )
+    params = DPPOTVParams(delta_low=delta_low, delta_high=delta_high, ratio_cap=ratio_cap)
+    aggregation = Aggregation.checked(log_prob.dim(), agg, global_tokens, global_seqs, norm_len)
+    return _dppo("tv", params, log_prob, old_log_prob, advantages, mask, aggregation)
 
 
 @REGISTRY.register("dppo_kl", params=DPPOKLParams)
@@ -231,18 +205,6 @@ def dppo_kl_loss(
 ) -> tuple[Tensor, dict[str, Any]]:
     """DPPO-Binary-KL (module docstring); metrics as `dppo_tv_loss` (c_low / c_high report
     1 -/+ delta, the thresholds on the ratio scale, not ratio bounds)."""
-    DPPOKLParams(delta_low=delta_low, delta_high=delta_high, ratio_cap=ratio_cap)
-    return _dppo(
-        "kl",
-        log_prob,
-        old_log_prob,
-        advantages,
-        mask,
-        delta_low=delta_low,
-        delta_high=delta_high,
-        ratio_cap=ratio_cap,
-        agg=agg,
-        global_tokens=global_tokens,
-        global_seqs=global_seqs,
-        norm_len=norm_len,
-    )
+    params = DPPOKLParams(delta_low=delta_low, delta_high=delta_high, ratio_cap=ratio_cap)
+    aggregation = Aggregation.checked(log_prob.dim(), agg, global_tokens, global_seqs, norm_len)
+    return _dppo("kl", params, log_prob, old_log_prob, advantages, mask, aggregation)

@@ -9,14 +9,13 @@ import torch
 
 from bapo_cli.algos.core import (
     REGISTRY,
+    Aggregation,
     Tensor,
-    _check_agg,
     _check_dual_clip,
     _rounded,
-    aggregate,
     check_eps,
+    clip_metrics,
     prepare_tokens,
-    surrogate_metrics,
 )
 from bapo_cli.algos.params import param
 
@@ -71,7 +70,7 @@ def gspo_loss(
         )
     c_low, c_high = 1.0 - float(eps_low), 1.0 + float(eps_high)
     dual_clip = _check_dual_clip(dual_clip, c_low)
-    _check_agg(agg, log_prob.dim())
+    aggregation = Aggregation.checked(log_prob.dim(), agg, global_tokens, global_seqs, norm_len)
     tok = prepare_tokens(log_prob, old_log_prob, advantages, mask)
     with torch.no_grad():
         n_seq = tok.valid.sum(dim=-1).clamp(min=1).to(tok.r.dtype)
@@ -87,23 +86,5 @@ def gspo_loss(
     s_token = s * (tok.ratio / tok.r)  # value s_i, gradient s_i * grad log pi(y_t)
     s_clipped = torch.where(tok.pos, s.clamp(max=hi), s.clamp(min=lo, max=upper_neg))
     loss_tok = -tok.adv * torch.where(active, s_token, s_clipped)
-    loss = aggregate(
-        loss_tok,
-        tok.valid,
-        agg,
-        global_tokens=global_tokens,
-        global_seqs=global_seqs,
-        norm_len=norm_len,
-    )
-    metrics = surrogate_metrics(
-        tok,
-        ratio=s,
-        weight=s,
-        active_pos=active_pos,
-        active_neg=active_neg,
-        clipped_low=tok.neg & (s <= lo),
-        clipped_high=tok.pos & (s >= hi),
-        c_low=c_low,
-        c_high=c_high,
-    )
-    return loss, metrics
+    loss = aggregation(loss_tok, tok.valid)
+    return loss, clip_metrics(tok, s, active_pos, active_neg, c_low, c_high)

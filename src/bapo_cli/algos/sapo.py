@@ -10,10 +10,9 @@ import torch
 
 from bapo_cli.algos.core import (
     REGISTRY,
+    Aggregation,
     Tensor,
-    _check_agg,
     _rounded,
-    aggregate,
     prepare_tokens,
     surrogate_metrics,
 )
@@ -75,18 +74,11 @@ def sapo_loss(
     dual_clip is not used: f is bounded by 4 / tau.
     """
     params = SAPOParams(tau_pos=tau_pos, tau_neg=tau_neg)
-    _check_agg(agg, log_prob.dim())
+    aggregation = Aggregation.checked(log_prob.dim(), agg, global_tokens, global_seqs, norm_len)
     tok = prepare_tokens(log_prob, old_log_prob, advantages, mask)
     tau = torch.where(tok.pos, float(tau_pos), float(tau_neg)).to(tok.r.dtype)
     loss_tok = -tok.adv * (4.0 / tau) * torch.sigmoid(tau * (tok.ratio - 1.0))
-    loss = aggregate(
-        loss_tok,
-        tok.valid,
-        agg,
-        global_tokens=global_tokens,
-        global_seqs=global_seqs,
-        norm_len=norm_len,
-    )
+    loss = aggregation(loss_tok, tok.valid)
     c_low, c_high = params.half_bounds()
     with torch.no_grad():
         gate = torch.sigmoid(tau * (tok.r - 1.0))
