@@ -58,6 +58,7 @@ DTYPE_BYTES = {
     "I32": 4, "U32": 4, "F32": 4,
     "I64": 8, "U64": 8, "F64": 8,
 }  # fmt: skip
+HIDDEN = object()  # a value too long to quote in an error line
 
 
 @dataclass(frozen=True)
@@ -192,7 +193,7 @@ def _sizes(path: Path, config: dict[str, Any]) -> tuple[int, float, set[int]]:
             "must be true, false or gaussian (others rewrite the base weights when loaded)",
         )
     if config.get("layer_replication"):
-        _fail(path, "layer_replication", None, "must be null (it copies base layers)")
+        _fail(path, "layer_replication", HIDDEN, "must be null (it copies base layers)")
     return rank, float(alpha), ranks
 
 
@@ -256,7 +257,7 @@ def _tensors(directory: Path, ranks: set[int]) -> dict[str, tuple[str, tuple[int
 
 def _entry(path: Path, name: str, entry: Any, room: int) -> tuple[str, tuple[int, ...]]:
     if not isinstance(entry, dict):
-        _fail(path, name, None, "must be a tensor entry (dtype, shape, data_offsets)")
+        _fail(path, name, HIDDEN, "must be a tensor entry (dtype, shape, data_offsets)")
     dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
     if dtype not in DTYPE_BYTES:
         _fail(path, f"{name}.dtype", dtype, f"must be one of {', '.join(DTYPE_BYTES)}")
@@ -302,8 +303,8 @@ def _rank_of(path: Path, name: str, shape: tuple[int, ...], ranks: set[int]) -> 
 
 
 def _fail(path: Path, field: str, value: Any, allowed: str) -> None:
-    """One line naming the file, the field, the value found (None: not shown) and the rule."""
-    if value is None:
+    """One line naming the file, the field, the value found (HIDDEN: not shown) and the rule."""
+    if value is HIDDEN:
         raise LoraError(f"{path}: {field}: {allowed}")
     shown = repr(value) if isinstance(value, str) else json.dumps(value, default=str)
     shown = shown if len(shown) <= 80 else shown[:77] + "..."
