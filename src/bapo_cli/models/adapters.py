@@ -21,11 +21,12 @@ one `LoraError` line naming the file and the field:
   directory, so a chain, and with it a cycle, never starts.
 
 The bounds also hold for `model.lora.*` at config check (config.schema), so a run cannot write an
-adapter that this module would refuse. Why these bounds: a rank above 4,096 is wider than the
-hidden size of every model this tool is meant for (a 70B model's is 8,192, where rank 4,096 is
-already a half-width update with as many parameters as the layer); `alpha` scales the update by
-alpha / rank, and the usual settings are alpha = rank or 2 × rank, so 4 × MAX_RANK leaves room
-while keeping the scale far from what overflows bfloat16 sampling (alpha=1e308 gave `inf`
+adapter that this module would refuse. Why these bounds: an adapter of rank r on a d x d layer
+has 2rd parameters, as many as the layer itself at r = d/2; 4,096 is that point for a 70B model
+(hidden size 8,192), far above what LoRA is used at (8-256), and a wider adapter is no longer
+low-rank (the meta-device check in models.lora also caps the rank at the model's hidden size).
+`alpha` scales the update by alpha / rank and is usually rank or 2 x rank: 4 x MAX_RANK leaves
+room while keeping the scale far from what overflows sampling (alpha=1e308 gave `inf`
 probabilities).
 """
 
