@@ -30,11 +30,9 @@ from typing import Any
 import torch
 
 from bapo_cli.models import adapters, lora, pretrained
-from bapo_cli.models.errors import ModelLoadError
+from bapo_cli.models.errors import ModelLoadError as ModelLoadError  # launch.jobs catches it here
 
 TINY = "tiny"
-
-__all__ = ["ModelLoadError"]  # raised by every loader here; launch.jobs catches it from here
 
 
 def resolve_device(cfg: Any) -> torch.device:

@@ -41,14 +41,13 @@ from typing import Any
 import torch
 
 from bapo_cli.models import adapters, outdir, pretrained
-from bapo_cli.models.errors import LoraError, ModelLoadError
+from bapo_cli.models.errors import LoraError
+from bapo_cli.models.errors import ModelLoadError as ModelLoadError  # the CLI catches it here
 
 ADAPTER_CONFIG = adapters.ADAPTER_CONFIG
 ALL_LINEAR = "all-linear"  # PEFT's name for every linear layer but the output layer
 OUTER = "base_model.model."  # PEFT's prefix of the base model's names in an adapter file
 is_adapter_dir = adapters.is_adapter_dir
-
-__all__ = ["LoraError", "ModelLoadError", "is_adapter_dir"]  # the CLI catches them from here
 
 
 def enabled(cfg: Any) -> bool:
