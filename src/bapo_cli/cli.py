@@ -236,19 +236,28 @@ def evaluate(
 )
 def merge_lora(
     checkpoint: Path = typer.Argument(..., help="A LoRA checkpoint (adapter_config.json)."),
-    out: Path = typer.Argument(..., help="Directory to write the merged HF model to."),
+    out: Path = typer.Argument(..., help="New or empty directory to write the merged model to."),
     base: str | None = typer.Option(
         None, "--base", help="Base model (HF id or dir); default: the one the adapter names."
     ),
+    force: bool = typer.Option(
+        False, "--force", help="Use a non-empty OUT: its contents are renamed aside, not deleted."
+    ),
 ) -> None:
-    """Merge a LoRA checkpoint into its base: a plain HF model dir (transformers, vLLM, eval)."""
+    """Merge a LoRA checkpoint into its base: a plain HF model dir (transformers, vLLM, eval).
+
+    Never deletes what it did not write: a non-empty OUT is refused (--force sets it aside as
+    OUT.replaced-<time>), and OUT may never be a link, a file, CKPT or a directory holding it."""
     from bapo_cli.models import lora
 
     try:
-        written = lora.merge(checkpoint, out, base=base)
+        merged = lora.merge(checkpoint, out, base=base, force=force)
     except lora.ModelLoadError as err:
         raise _fail(str(err)) from None
-    Console().print(f"merged {checkpoint} into {written}")
+    said = f"merged {checkpoint} into {merged.path}"
+    if merged.set_aside is not None:
+        said += f" (its previous contents are in {merged.set_aside})"
+    Console().print(said, markup=False, highlight=False)
 
 
 def _benchmark_list(overrides: list[str]) -> tuple[list[str], bool]:

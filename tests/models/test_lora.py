@@ -152,7 +152,7 @@ def test_merge_writes_a_plain_model_that_equals_the_adapted_one(base_dir, tmp_pa
     assert json.loads((adapter / "adapter_config.json").read_text())["r"] == 4
     expected = _logp(wrapped)
 
-    merged_dir = lora.merge(adapter, tmp_path / "merged")
+    merged_dir = lora.merge(adapter, tmp_path / "merged").path
     assert (merged_dir / "config.json").is_file()
     assert not (merged_dir / "adapter_config.json").exists()
     plain, _ = models.load_checkpoint(merged_dir)

@@ -27,6 +27,8 @@ from typing import Any
 from omegaconf import MISSING
 
 from bapo_cli.config.errors import ConfigError
+from bapo_cli.models.adapters import MAX_ALPHA as MAX_LORA_ALPHA
+from bapo_cli.models.adapters import MAX_RANK as MAX_LORA_RANK
 
 
 def opt(default: Any = MISSING, help: str = "", **kwargs: Any) -> Any:
@@ -102,8 +104,11 @@ class LoraConfig:
     )
 
     def check(self) -> None:
-        _positive("rank", self.rank, allow_zero=True)
-        _positive("alpha", self.alpha)
+        # the bounds an adapter file must keep too (why these: bapo_cli.models.adapters)
+        if not 0 <= self.rank <= MAX_LORA_RANK:
+            raise ConfigError("rank", self.rank, f"must be within [0, {MAX_LORA_RANK}] (0 = off)")
+        if not (math.isfinite(self.alpha) and 0 < self.alpha <= MAX_LORA_ALPHA):
+            raise ConfigError("alpha", self.alpha, f"must be within (0, {MAX_LORA_ALPHA:g}]")
         if not self.target_modules or any(not str(t) for t in self.target_modules):
             raise ConfigError(
                 "target_modules", self.target_modules, "must name modules, or be [all-linear]"

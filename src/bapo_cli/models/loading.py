@@ -11,6 +11,10 @@ go through `format_prompt` -- the chat template when the tokenizer has one -- an
 with special tokens, which is also what vLLM does with a text prompt, so both engines see the same
 ids. Checkpoints are written to a temporary sibling and renamed into place, so a kill never leaves
 a half-written checkpoint under its final name.
+
+Under LoRA (`model.lora.rank > 0`) the target modules are matched against the model built on the
+meta device before its weights load (models.lora.check_targets). Imports go one way: this module
+uses models.lora and models.pretrained; neither imports it.
 """
 
 from __future__ import annotations
@@ -25,11 +29,10 @@ from typing import Any
 
 import torch
 
+from bapo_cli.models import adapters, lora, pretrained
+from bapo_cli.models.errors import ModelLoadError as ModelLoadError  # launch.jobs catches it here
+
 TINY = "tiny"
-
-
-class ModelLoadError(ValueError):
-    """A model or tokenizer that cannot be loaded; the message is one line naming what was tried."""
 
 
 def resolve_device(cfg: Any) -> torch.device:
@@ -59,7 +62,7 @@ def model_dir(cfg: Any) -> Path | str:
 
         return ensure_tiny(cfg.tiny)
     local = Path(cfg.path).expanduser()
-    if local.exists() or _looks_local(cfg.path):
+    if local.exists() or pretrained.looks_local(cfg.path):
         return local
     return cfg.path
 
@@ -75,10 +78,12 @@ def load_policy(
     dtype = dtype if dtype is not None else resolve_dtype(cfg, device)
     source = model_dir(cfg)
     remote = bool(getattr(cfg, "trust_remote_code", False))
+    if lora.enabled(cfg):  # targets and rank against the model's shape, before its weights
+        lora.check_targets(source, cfg.lora, trust_remote_code=remote)
     if isinstance(source, Path):
         model, tokenizer = load_checkpoint(source, device, dtype, trust_remote_code=remote)
     else:
-        model, tokenizer = _load_hub(source, device, dtype, trust_remote_code=remote)
+        model, tokenizer = pretrained.load_hub(source, device, dtype, trust_remote_code=remote)
     if getattr(cfg, "gradient_checkpointing", False):
         # transformers 5 renamed it (the old name warns); 4.x only has the old one
         enable = getattr(model, "activation_checkpointing_enable", None)
@@ -97,14 +102,12 @@ def load_checkpoint(
     directory = Path(directory).expanduser()
     if not directory.is_dir():
         raise ModelLoadError(f"model.path={directory}: no such directory")
-    if (directory / "adapter_config.json").is_file() and not (directory / "config.json").exists():
-        from bapo_cli.models import lora  # a LoRA checkpoint: its base with the adapter merged
-
+    if adapters.is_adapter_only(directory):  # a LoRA checkpoint: its base with the adapter merged
         return lora.merged_model(directory, device, dtype, trust_remote_code=trust_remote_code)
     if not (directory / "config.json").is_file():
         raise ModelLoadError(f"model.path={directory}: not a HF model directory (no config.json)")
     what = "the local directory could not be loaded"
-    return _from_pretrained(str(directory), device, dtype, trust_remote_code, what)
+    return pretrained.from_pretrained(str(directory), device, dtype, trust_remote_code, what)
 
 
 def save_checkpoint(
@@ -119,7 +122,9 @@ def save_checkpoint(
     Everything goes to a temporary sibling first (`extra(tmp)` may add files there, e.g. trainer
     state); the final name appears only when complete. An existing checkpoint of the same name is
     moved aside, replaced, then deleted: a kill between those two renames leaves it as the sibling
-    `.<name>.old-*` rather than under its name, never half-written.
+    `.<name>.old-*` rather than under its name, never half-written. Only for directories this
+    tool owns: a directory a user names (`bapo merge-lora ... OUT`) goes through models.outdir,
+    which deletes nothing it did not write.
     """
     directory = Path(directory).expanduser()
     directory.parent.mkdir(parents=True, exist_ok=True)
@@ -174,65 +179,6 @@ def _chat(tokenizer: Any, messages: list[dict[str, str]]) -> str:
 def _adds_bos(tokenizer: Any) -> bool:
     ids = tokenizer("x")["input_ids"]
     return bool(ids) and ids[0] == tokenizer.bos_token_id
-
-
-def _looks_local(path: str) -> bool:
-    """A path that cannot be a hub id (`org/name`): absolute, ~, ./, ../ or several slashes."""
-    return (
-        path.startswith(("/", "~", "./", "../", ".\\"))
-        or path.count("/") > 1
-        or path.endswith("/")
-        or (os.sep != "/" and os.sep in path)
-    )
-
-
-def _load_hub(hf_id: str, device: torch.device, dtype: torch.dtype, *, trust_remote_code: bool):
-    """By hub id, through the HF cache. With the hub out of reach (models.hub: HF_HUB_OFFLINE,
-    or no connection within seconds) only the cache is tried, and the error says how to pass a
-    local directory instead of retrying for a minute."""
-    from bapo_cli.models import hub
-
-    offline = hub.go_offline_if_unreachable()
-    if offline is None:
-        what = "no local directory of that name, and the HF hub id could not be loaded"
-        return _from_pretrained(hf_id, device, dtype, trust_remote_code, what)
-    try:
-        return _from_pretrained(hf_id, device, dtype, trust_remote_code, "")
-    except ModelLoadError:
-        raise ModelLoadError(
-            f"model.path={hf_id}: not a local directory and not in the HF cache, and the HF hub "
-            f"cannot be used ({offline}); pass a local directory: model.path=/path/to/model "
-            f"(on a machine with a network: hf download {hf_id} --local-dir /path/to/model)"
-        ) from None
-
-
-def _from_pretrained(
-    source: str, device: Any, dtype: torch.dtype, trust_remote_code: bool, what: str
-) -> tuple[Any, Any]:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code)
-        model = AutoModelForCausalLM.from_pretrained(
-            source, dtype=dtype, trust_remote_code=trust_remote_code
-        )
-    except Exception as err:  # missing files, no network, unknown id, bad weights
-        raise ModelLoadError(f"model.path={source}: {what} ({_first_line(err)})") from None
-    tokenizer.padding_side = "left"
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token or tokenizer.unk_token
-    if model.config.pad_token_id is None and tokenizer.pad_token_id is not None:
-        model.config.pad_token_id = tokenizer.pad_token_id
-        if model.generation_config is not None:
-            model.generation_config.pad_token_id = tokenizer.pad_token_id
-    model.to(device)
-    model.eval()
-    return model, tokenizer
-
-
-def _first_line(err: BaseException) -> str:
-    text = str(err).strip()
-    return text.splitlines()[0] if text else type(err).__name__
 
 
 def autocast_to(dtype: torch.dtype | None, device: torch.device):

@@ -383,6 +383,8 @@ def _policy(
     autocast = compute_dtype if mixed and not ctx.sharded else None
     if use_lora:
         _check_lora(cfg, ctx)
+        if resume_from is not None:  # the adapter's files, before the base's weights load
+            lora.check_adapter(resume_from)
     model, tokenizer = models.load_policy(model_cfg, device=device, dtype=stored_dtype)
     if use_lora:
         if resume_from is None:
