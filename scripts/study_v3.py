@@ -11,7 +11,9 @@ the grid:
     python scripts/study_v3.py answers sqlite:///outputs/mlflow.db
 
 p-values are the exact two-sided permutation p of `bapo report --baseline` (5 + 5 seeds: all 252
-relabelings), on the same unrounded values.
+relabelings), on the same unrounded values; Holm is `bapo report`'s too (`tracking.report.holm`).
+The script calls only the report's public names (`load_runs`, `label_runs`, `net_entropy_push`,
+`permutation_p`, `holm`, `ReportError`).
 """
 
 # ruff: noqa: E501  (markdown table rows read better whole)
@@ -21,7 +23,7 @@ import sys
 from dataclasses import dataclass
 
 from bapo_cli.tracking import report
-from bapo_cli.tracking.report import permutation_p
+from bapo_cli.tracking.report import holm, permutation_p
 
 LRS = (1e-4, 3e-4, 6e-4, 1e-3)
 ARMS = ("reuse1", "reuse8", "lag8")
@@ -90,18 +92,6 @@ def compare(a: list[float], b: list[float]) -> tuple[float, float] | None:
     if not a or not b:
         return None
     return mean(a) - mean(b), permutation_p(a, b)
-
-
-def holm(pvalues: dict[str, float], alpha: float = ALPHA) -> dict[str, bool]:
-    """Holm-Bonferroni: sort ascending; the i-th smallest (0-based) is rejected while
-    p <= alpha / (m - i), stopping at the first that is not."""
-    m = len(pvalues)
-    rejected = dict.fromkeys(pvalues, False)
-    for i, (name, p) in enumerate(sorted(pvalues.items(), key=lambda kv: kv[1])):
-        if p > alpha / (m - i):
-            break
-        rejected[name] = True
-    return rejected
 
 
 def frontier(change_by_lr: dict[float, float | None], margin: float = MARGIN) -> str:
@@ -245,7 +235,7 @@ def answers(runs: list[Run]) -> str:
                 cell(runs, arm, lr, algo, key), cell(runs, arm, lr, "grpo", key)
             )
     tested = {k: v for k, v in q1.items() if v is not None}
-    rejected = holm({f"{a}/{b}": v[1] for (a, b), v in tested.items()})
+    rejected = holm({f"{a}/{b}": v[1] for (a, b), v in tested.items()}, alpha=ALPHA)
     out.append(
         "| arm | primary lr | BAPO | difference | p | Holm (α = 0.05 over the family) | answer |"
     )

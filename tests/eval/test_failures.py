@@ -14,6 +14,7 @@ from bapo_cli.config.preflight import preflight
 from bapo_cli.evaluation import failures
 from bapo_cli.models.tiny import SHIPPED_ROOT
 from bapo_cli.tracking import flatten, report
+from bapo_cli.tracking.report.failures import failure_table
 
 SHIPPED = SHIPPED_ROOT / "tiny_pairs"
 # the model.tiny.* params a `model=tiny_pairs` run records (MLflow params: strings)
@@ -103,7 +104,7 @@ def test_report_table_compares_final_with_start_and_caches(
     for r in runs:
         r.group = "grpo"
     cache = tmp_path / "report" / "failures_cache.json"
-    header, rows = report.failure_table(runs, cache)
+    header, rows = failure_table(runs, cache)
     assert rows[0][:2] == ["grpo", "1/2"]  # run b has no run dir: left out, and counted
     cells = dict(zip(header, rows[0], strict=True))
     expected = failures.shares(seed0_counts)
@@ -115,7 +116,7 @@ def test_report_table_compares_final_with_start_and_caches(
         raise AssertionError("sampled again despite the cache")
 
     monkeypatch.setattr(failures, "sample_checkpoint", no_sampling)
-    assert report.failure_table(runs, cache) == (header, rows)
+    assert failure_table(runs, cache) == (header, rows)
 
 
 def test_runs_read_from_a_store_know_their_run_dir(tmp_path: Path) -> None:

@@ -13,17 +13,24 @@ with the version that sampled it (staleness is measured from these stamps).
 A `Sample` is one response as the trainer sees it: prompt ids, response ids, the behaviour
 log-prob and policy version of every response token, the finish reason, its prompt group (the
 GRPO group) and, once graded, its reward.
+
+Engines are chosen by name (`rollout=hf|vllm|auto`). `ENGINES` maps each name to the class that
+implements it as a `module:Class` path, and `make_engine` loads the chosen one with importlib:
+this module names its engines but never imports them, so the engines import it (for the records
+above) and nothing imports back. That is the rollout layer's one plug-in point, and deliberate:
+`bapo_cli.rollout.vllm` imports vLLM at module level, an optional and heavy dependency, so it
+must be loaded only when `rollout=vllm` is chosen (and its ImportError turned into one line).
 """
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
-
-from bapo_cli.algos.registry import Registry
 
 FINISH_STOP = "stop"  # end-of-sequence token or a stop string
 FINISH_LENGTH = "length"  # rollout.max_tokens reached
@@ -103,7 +110,17 @@ class RolloutEngine(Protocol):
     def close(self) -> None: ...
 
 
-ENGINES: Registry = Registry("rollout engine")
+ENGINES: dict[str, str] = {
+    "hf": "bapo_cli.rollout.hf:HFEngine",
+    "vllm": "bapo_cli.rollout.vllm:VLLMEngine",
+}
+"""Engine name -> `module:Class` of its implementation, loaded by `engine_class` on demand (the
+plug-in point: see the module docstring). A new engine is one module and one line here."""
+
+OPTIONAL_ENGINES = {"vllm": "vLLM"}
+"""Engines whose module imports an optional dependency (named here): an ImportError there means
+this install cannot run that choice (one line, pointing to rollout=hf); an ImportError of any
+other engine is a broken install and propagates as it is."""
 
 
 def eos_ids(model: torch.nn.Module, tokenizer: Any) -> list[int]:
@@ -130,8 +147,6 @@ def choose_engine(device_is_cuda: bool, vllm_available: bool) -> str:
 
 def vllm_available() -> bool:
     """vLLM and this package's engine module are installed (found without importing them)."""
-    import importlib.util
-
     return all(importlib.util.find_spec(m) is not None for m in ("vllm", "bapo_cli.rollout.vllm"))
 
 
@@ -151,19 +166,28 @@ def resolve_engine_name(name: str, device: torch.device | str | None = None) -> 
     return choose_engine(device_is_cuda(device), vllm_available())
 
 
-def make_engine(name: str, **kwargs: Any) -> RolloutEngine:
-    """Build the engine registered as `name` (hf, vllm); `auto` resolves first (for the device
-    of `kwargs["model"]`)."""
-    import bapo_cli.rollout.hf  # noqa: F401  (registers "hf")
+def engine_class(name: str) -> Callable[..., RolloutEngine]:
+    """The class `ENGINES` names for `name`, its module imported by name now (importlib: the
+    plug-in point, so vLLM is imported only for `rollout=vllm`). An unknown name, or an engine
+    whose module cannot be imported (vLLM not installed), is a ValueError of one line."""
+    if name not in ENGINES:
+        raise ValueError(f"unknown rollout engine {name!r}; valid: {', '.join(sorted(ENGINES))}")
+    module, _, cls = ENGINES[name].partition(":")
+    try:
+        loaded = importlib.import_module(module)
+    except ImportError as exc:
+        if name not in OPTIONAL_ENGINES:
+            raise
+        raise ValueError(
+            f"rollout={name}: the {OPTIONAL_ENGINES[name]} engine cannot be loaded ({exc}); "
+            "use rollout=hf"
+        ) from exc
+    return getattr(loaded, cls)
 
+
+def make_engine(name: str, **kwargs: Any) -> RolloutEngine:
+    """Build the engine `ENGINES` names `name` (hf, vllm); `auto` resolves first (for the device
+    of `kwargs["model"]`)."""
     model = kwargs.get("model")
     device = next(model.parameters()).device if isinstance(model, torch.nn.Module) else None
-    resolved = resolve_engine_name(name, device)
-    if resolved == "vllm":
-        try:
-            import bapo_cli.rollout.vllm  # noqa: F401  (registers "vllm")
-        except ImportError as exc:
-            raise ValueError(
-                f"rollout=vllm: the vLLM engine cannot be loaded ({exc}); use rollout=hf"
-            ) from exc
-    return ENGINES.get(resolved)(**kwargs)
+    return engine_class(resolve_engine_name(name, device))(**kwargs)

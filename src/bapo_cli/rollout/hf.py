@@ -22,7 +22,6 @@ from transformers import StoppingCriteria, StoppingCriteriaList
 
 from bapo_cli.models.loading import autocast_to
 from bapo_cli.rollout.base import (
-    ENGINES,
     FINISH_BUDGET,
     FINISH_STOP,
     Generation,
@@ -32,7 +31,6 @@ from bapo_cli.rollout.base import (
 )
 
 
-@ENGINES.register("hf")
 class HFEngine:
     """Batched sampling through `model.generate`, left-padded, one row per request."""
 

@@ -65,7 +65,6 @@ import torch
 from bapo_cli.models import loading as models
 from bapo_cli.models import lora
 from bapo_cli.rollout.base import (
-    ENGINES,
     FINISH_BUDGET,
     FINISH_LENGTH,
     FINISH_STOP,
@@ -91,7 +90,6 @@ if _USER_LOG_LEVEL is None:  # vLLM may have been imported (and its logging set 
 CPU_KV_MAX_BYTES = 2**30  # CPU KV cache: room for 256 full-length sequences, at most 1 GiB
 
 
-@ENGINES.register("vllm")
 class VLLMEngine:
     """vLLM's `LLM` over the model in `cfg.model`, one sequence per request, log-probs included."""
 

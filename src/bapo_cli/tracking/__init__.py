@@ -11,7 +11,9 @@ back from MLflow (`bapo runs`, `bapo report`) and tying a sweep's runs together.
 - store.py: the store behind a URI, created under a file lock; experiments and artifact location
 - reader.py: `list_runs` for `bapo runs`
 - sweep.py: a multirun's parent run, its jobs' tags and child runs
-- redact.py: secrets masked wherever they are recorded; report.py: `bapo report`
+- redact.py: secrets masked wherever they are recorded
+- report/: `bapo report`, one module per part (it reads runs back; its --failures part samples
+  checkpoints through `evaluation`, so it sits above the rest of tracking)
 
 The names below are the package's public face; callers import them from `bapo_cli.tracking`.
 Tests that patch a module constant patch it in the module that reads it (e.g. `writer`).
