@@ -247,9 +247,15 @@ class ServerPool:
         params: SamplingParams,
         seeds: Sequence[int],
         eos_ids: Sequence[int] = (),
+        *,
+        ignore_eos: bool = False,
     ) -> list[ServedGeneration]:
         """One ServedGeneration per request, in order, spread over the live servers; a request
-        whose server dies is sent again to another. ServerError when none is left."""
+        whose server dies is sent again to another. ServerError when none is left.
+
+        `ignore_eos`: every response runs to its max_tokens (end tokens are sampled and kept,
+        the distribution is unchanged): fixed-length responses for benchmarks and for tests that
+        need a response to be running at a given moment."""
         out: list[ServedGeneration | None] = [None] * len(requests)
         todo: deque[int] = deque(range(len(requests)))
         running: dict[Future, tuple[int, Server]] = {}
@@ -262,7 +268,7 @@ class ServerPool:
                     if server is None:
                         break
                     i = todo.popleft()
-                    body = _generate_body(requests[i], params, seeds[i], eos_ids)
+                    body = _generate_body(requests[i], params, seeds[i], eos_ids, ignore_eos)
                     server.in_flight += 1
                     future = ex.submit(
                         _call, server.url, "POST", GENERATE, body, self.request_timeout_s
@@ -484,7 +490,7 @@ def _served_window(url: str) -> int | None:
 
 
 def _generate_body(
-    req: Request, params: SamplingParams, seed: int, eos_ids: Sequence[int]
+    req: Request, params: SamplingParams, seed: int, eos_ids: Sequence[int], ignore_eos: bool
 ) -> dict[str, Any]:
     """The request for one sample: prompt + partial response as ids, the run's sampling."""
     sampling: dict[str, Any] = {
@@ -500,6 +506,8 @@ def _generate_body(
     }
     if params.stop:
         sampling["stop"] = list(params.stop)
+    if ignore_eos:
+        sampling.update(ignore_eos=True, stop_token_ids=[])
     return {
         "token_ids": list(req.prompt_ids) + list(req.prefix_ids),
         "sampling_params": sampling,
