@@ -94,6 +94,12 @@ class Fleet:
     def restart(self, i: int) -> None:
         self.start(i)
 
+    def ensure_all(self) -> None:
+        """Start again any server a failed test left dead (the next test needs both)."""
+        for i, proc in enumerate(self.procs):
+            if proc is None or proc.poll() is not None:
+                self.start(i)
+
     def stop(self, i: int) -> None:
         proc = self.procs[i]
         if proc is None:

@@ -36,6 +36,9 @@ Weights (`publish`, the filesystem transport): the trainer writes the version un
                                        cached and running KV was computed by the old weights: the
                                        frozen requests are re-prefilled (prompt + their tokens so
                                        far) by the new ones, as the CPU worker's interrupt does
+                                       (vLLM 0.32's pause already clears the caches this way by
+                                       default; asked again here so the guarantee does not hang
+                                       on that default)
     POST /update_weight_version N      tokens sampled from now on are stamped N
     POST /resume
 
