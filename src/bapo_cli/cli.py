@@ -231,6 +231,42 @@ def evaluate(
 
 
 @app.command(
+    epilog=(
+        "Examples:\n\n"
+        "  bapo serve --port 8001\n\n"
+        "  bapo serve model=tiny_pairs --port 8002 --host 0.0.0.0\n\n"
+        "  bapo serve --port 8001 --print-command"
+    ),
+)
+def serve(
+    overrides: list[str] | None = typer.Argument(None, help=OVERRIDES_HELP, show_default=False),
+    port: int = typer.Option(8000, "--port", min=1, max=65535, help="Port to listen on."),
+    host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on (loopback)."),
+    print_command: bool = typer.Option(
+        False,
+        "--print-command",
+        help="Print the vLLM command (and its environment), start nothing.",
+    ),
+) -> None:
+    """Start a vLLM generation server for the run's model (rollout.servers=[URL]); prints its URL.
+
+    The overrides are a training run's (the same model=..., model.path=...): the server gets the
+    flags a run needs (worker extension, log-probs, weight routes), docs/engines.md.
+    """
+    from bapo_cli.rollout import serve as serving
+
+    checked = _preflight("train", overrides)
+    console = Console(highlight=False, soft_wrap=True, markup=False)
+    try:
+        code = serving.run(
+            checked.config, port=port, host=host, print_only=print_command, say=console.print
+        )
+    except (serving.ServeError, serving.models.ModelLoadError) as err:
+        raise _fail(str(err)) from None
+    raise typer.Exit(code)
+
+
+@app.command(
     "merge-lora",
     epilog="Example:\n\n  bapo merge-lora outputs/runs/<date>/<time>/checkpoints/step_000100 out/",
 )

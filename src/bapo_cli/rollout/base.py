@@ -61,6 +61,9 @@ class Generation:
     token_ids: list[int]
     logprobs: list[float] | None  # the engine's log-probs of token_ids; None = it has none
     finish_reason: str
+    # the policy version that sampled each token, when the engine records it per token (a
+    # generation server whose weights change mid-response); None = all are `engine.version`
+    versions: list[int] | None = None
 
 
 @dataclass

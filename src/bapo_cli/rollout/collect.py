@@ -213,7 +213,7 @@ class Collector:
         starts = [len(s.response_ids) for s in todo]
         for s, gen in zip(todo, generations, strict=True):
             s.response_ids.extend(gen.token_ids)
-            s.versions.extend([version] * len(gen.token_ids))
+            s.versions.extend(gen.versions or [version] * len(gen.token_ids))
             self.generated_tokens += len(gen.token_ids)
             if gen.logprobs is not None:
                 s.engine_logprobs.extend(gen.logprobs)

