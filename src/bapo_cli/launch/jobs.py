@@ -147,7 +147,7 @@ def _resume_command(run_dir: Path) -> str:
     words += [o for o in _job_overrides() if not o.startswith("trainer.resume=")]
     if root is not None and root != default_root:
         words.append(f"paths.output_root={root}")
-    words += ["trainer.resume=true", f"hydra.run.dir={run_dir}"]
+    words += ["trainer.resume=true", f"hydra.run.dir={hydra_runner.quote(str(run_dir))}"]
     return " ".join(shlex.quote(w) for w in redact.overrides(words))  # secrets masked
 
 
