@@ -2,7 +2,9 @@
 and `bapo eval` keeps out of other runs' dirs (item 4): launch/rundir.py `settle`, pre-flight's
 `Dirs` (config/preflight.py).
 
-All of these are refused at pre-flight, before any model loads: no training runs here."""
+All of these are refused at pre-flight, before any model loads: no training runs here (the
+smallest step and evaluation are asked for all the same, so that the old code, which let them
+run, fails these tests quickly too)."""
 
 from __future__ import annotations
 
@@ -16,6 +18,8 @@ from bapo_cli.cli import app
 from bapo_cli.config.preflight import PreflightError, distinct_job_dirs
 
 SAMPLES = '{"step": 1}\n'
+TINY = ("tracking=none", "trainer.max_steps=1")
+EVAL = ("tracking=none", "eval.limit=1", "eval.n=1")
 
 
 def _used(path: Path) -> Path:
@@ -51,14 +55,13 @@ def _untouched(used: Path) -> None:
 def test_every_spelling_of_a_used_dir_is_refused(
     spelling: str, tmp_path: Path, _output_root: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    used = _used(tmp_path / "shared")
-    (tmp_path / "x").mkdir()
+    used = _used(tmp_path / "shared")  # `x` does not exist: Hydra's mkdir -p would create it
     (tmp_path / "link").symlink_to(used)
     monkeypatch.setenv("BAPO_OUTPUT_ROOT", str(tmp_path / "outputs"))
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("PWD", str(tmp_path))
     typed = spelling.format(tmp=tmp_path)
-    code, out = _invoke("train", "tracking=none", f"hydra.run.dir={typed}")
+    code, out = _invoke("train", *TINY, f"hydra.run.dir={typed}")
     assert code == 2, out
     assert out == (
         f"error: hydra.run.dir={typed} (that is {used}) already holds a run (.hydra, "
@@ -97,7 +100,7 @@ def test_two_jobs_of_a_sweep_never_share_a_dir(
     subdir: str, sweep: str, share: str | None, _output_root: Path
 ) -> None:
     typed = subdir.format()
-    code, out = _invoke("train", "-m", "tracking=none", sweep, f"hydra.sweep.subdir={typed}")
+    code, out = _invoke("train", "-m", *TINY, sweep, f"hydra.sweep.subdir={typed}")
     assert code == 2, out
     assert out.startswith(f"error: hydra.sweep.subdir={typed}: jobs 0 and 1 would share one dir (")
     if share is None:
@@ -122,7 +125,7 @@ def test_a_sweep_job_dir_that_holds_a_run_is_refused(tmp_path: Path) -> None:
     code, out = _invoke(
         "train",
         "-m",
-        "tracking=none",
+        *TINY,
         "algo.rho0=0.3",
         f"hydra.sweep.dir={tmp_path}/sweep",
         "hydra.sweep.subdir=../used",
@@ -139,7 +142,7 @@ def test_a_sweep_job_dir_that_holds_a_run_is_refused(tmp_path: Path) -> None:
 
 def test_eval_keeps_out_of_a_training_runs_dir(tmp_path: Path) -> None:
     used = _used(tmp_path / "run")
-    code, out = _invoke("eval", "tracking=none", f"hydra.run.dir={used}")
+    code, out = _invoke("eval", *EVAL, f"hydra.run.dir={used}")
     assert code == 2, out
     assert out == (
         f"error: hydra.run.dir={used} already holds a run or a checkpoint (.hydra, "
@@ -149,7 +152,7 @@ def test_eval_keeps_out_of_a_training_runs_dir(tmp_path: Path) -> None:
     )
     _untouched(used)
     # the switch never lets it replace a training run's samples
-    code, out = _invoke("eval", "--allow-existing-dir", "tracking=none", f"hydra.run.dir={used}")
+    code, out = _invoke("eval", "--allow-existing-dir", *EVAL, f"hydra.run.dir={used}")
     assert code == 2, out
     assert out == (
         f"error: hydra.run.dir={used} holds a training run's samples.jsonl, which bapo eval "
@@ -164,7 +167,7 @@ def test_eval_keeps_out_of_a_checkpoint_unless_told(tmp_path: Path) -> None:
     ckpt.mkdir()
     for name in ("config.json", "model.safetensors", "trainer_state.pt", "COMPLETE"):
         (ckpt / name).write_text(name)
-    code, out = _invoke("eval", "tracking=none", f"hydra.run.dir={ckpt}/")
+    code, out = _invoke("eval", *EVAL, f"hydra.run.dir={ckpt}/")
     assert code == 2, out
     assert out.startswith(
         f"error: hydra.run.dir={ckpt}/ (that is {ckpt}) already holds a run or a checkpoint "
@@ -190,7 +193,7 @@ def test_eval_told_to_writes_its_record_beside_another_runs(tmp_path: Path) -> N
     (earlier / ".hydra").mkdir(parents=True)
     (earlier / "results.json").write_text("{}")
     (earlier / "samples.jsonl").write_text(SAMPLES)
-    code, out = _invoke("eval", "tracking=none", f"hydra.run.dir={earlier}")
+    code, out = _invoke("eval", *EVAL, f"hydra.run.dir={earlier}")
     assert code == 2 and "(.hydra, samples.jsonl, results.json)" in out, out
     overrides = ["tracking=none", f"hydra.run.dir={earlier}", "hydra.output_subdir=.hydra"]
     checked = cli._preflight("eval", overrides)

@@ -5,6 +5,11 @@ every job the basic sweeper would launch, so `bapo train -m algo.rho0=0.3,1.5` f
 starts, not halfway through a sweep. A `group=glob(...)` sweep is first turned into the explicit
 list of the group's options it matches (`expand_globs`), which is what Hydra is then handed.
 
+Each job's output dir is read from its composed config as Hydra will read it (`Dirs`:
+`hydra.run.dir`, or `hydra.sweep.dir` and every job's `hydra.sweep.subdir`, interpolations
+resolved), for the CLI's run-dir check (bapo_cli.launch.rundir); two jobs of one sweep that would
+share a dir are refused here (`distinct_job_dirs`).
+
 A training step's work is bounded (`step_work_error`: sequences and response tokens per step,
 whatever the machine), and a training config must also fit the machine (`step_memory_error`):
 a step's samples, every response at `rollout.max_tokens`, need at least `STEP_BYTES_PER_TOKEN`
