@@ -204,3 +204,13 @@ def test_eval_told_to_writes_its_record_beside_another_runs(tmp_path: Path) -> N
     checked = cli._preflight("eval", ["tracking=none", f"hydra.run.dir={earlier}"])
     cli._claim_output_dir(checked, multirun=False, allow_existing=True)
     assert checked.overrides[-1] == "hydra.output_subdir=.hydra-eval-1"
+
+
+def test_a_dir_that_cannot_be_resolved_is_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("BAPO_NO_SUCH_VAR", raising=False)
+    code, out = _invoke("train", *TINY, "hydra.run.dir=${oc.env:BAPO_NO_SUCH_VAR}/r")
+    assert code == 2, out
+    assert out == (
+        "error: hydra.run.dir: cannot resolve it (KeyError raised while resolving "
+        "interpolation: \"Environment variable 'BAPO_NO_SUCH_VAR' not found\")"
+    )

@@ -283,7 +283,8 @@ def _resolved(cfg: DictConfig, key: str, num: int | None = None) -> str:
         HydraConfig.instance().set_config(cfg)
         return str(OmegaConf.select(cfg, key, throw_on_missing=True))
     except Exception as exc:
-        raise PreflightError(f"{key}: cannot resolve it ({explain(exc)})") from exc
+        detail = explain(exc).removeprefix(f"{key}: ")
+        raise PreflightError(f"{key}: cannot resolve it ({detail})") from exc
     finally:
         HydraConfig.instance().cfg = held
 
