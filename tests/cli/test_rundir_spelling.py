@@ -8,6 +8,7 @@ run, fails these tests quickly too)."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -214,3 +215,22 @@ def test_a_dir_that_cannot_be_resolved_is_one_line(monkeypatch: pytest.MonkeyPat
         "error: hydra.run.dir: cannot resolve it (KeyError raised while resolving "
         "interpolation: \"Environment variable 'BAPO_NO_SUCH_VAR' not found\")"
     )
+
+
+@pytest.mark.slow
+def test_eval_told_to_leaves_the_other_record_as_it_was(tmp_path: Path) -> None:
+    """The real command: an evaluation into an earlier one's dir with --allow-existing-dir
+    replaces its results, and Hydra's record of it lands in `.hydra-eval`, owner-only."""
+    from tests.conftest import run_bapo
+
+    earlier = tmp_path / "eval"
+    (earlier / ".hydra").mkdir(parents=True)
+    (earlier / ".hydra" / "config.yaml").write_text("earlier: true\n")
+    (earlier / "results.json").write_text("{}")
+    result = run_bapo("eval", "--allow-existing-dir", *EVAL, f"hydra.run.dir={earlier}")
+    assert result.returncode == 0, result.stderr
+    assert (earlier / ".hydra" / "config.yaml").read_text() == "earlier: true\n"
+    assert sorted(p.name for p in (earlier / ".hydra").iterdir()) == ["config.yaml"]
+    record = earlier / ".hydra-eval" / "config.yaml"
+    assert "benchmark:" in record.read_text() and oct(record.stat().st_mode)[-3:] == "600"
+    assert list(json.loads((earlier / "results.json").read_text())) == ["aime24"]

@@ -51,7 +51,8 @@ def _keep_private() -> None:
 
     hydra_cfg = HydraConfig.get()
     run_dir = Path(hydra_cfg.runtime.output_dir)
-    files = list((run_dir / ".hydra").glob("*.yaml"))
+    record = hydra_cfg.output_subdir  # `.hydra`; `.hydra-eval[-N]` beside another run's
+    files = list((run_dir / record).glob("*.yaml")) if record else []
     if hydra_cfg.mode == RunMode.MULTIRUN:
         files.append(Path(hydra_cfg.sweep.dir) / "multirun.yaml")
     rundir.make_private([run_dir, *files])
