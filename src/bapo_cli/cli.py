@@ -19,9 +19,11 @@ from pathlib import Path
 import typer
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from bapo_cli import __version__
 from bapo_cli.config.errors import USAGE_EXIT_CODE
+from bapo_cli.config.hydra_runner import quote
 
 app = typer.Typer(
     name="bapo",
@@ -52,8 +54,15 @@ def _fail(line: str) -> typer.Exit:
     from bapo_cli.tracking import redact
 
     line = redact.text(line)  # an override it quotes may hold credentials
-    _err.print(f"[bold red]error:[/bold red] {line}", highlight=False, soft_wrap=True)
+    # the line quotes user text: a Text is printed as it is, never read as markup (`[/]`) or
+    # emoji codes (`host:-1:`)
+    _err.print(Text.assemble(("error:", "bold red"), " ", line), highlight=False, soft_wrap=True)
     return typer.Exit(USAGE_EXIT_CODE)
+
+
+def _say(line: str) -> None:
+    """A line that quotes user text (a path, a URI): printed as it is, no markup, no emoji."""
+    Console().print(line, markup=False, emoji=False, highlight=False, soft_wrap=True)
 
 
 def _preflight(config_name: str, overrides: list[str] | None, multirun: bool = False):
@@ -78,7 +87,13 @@ def _one_process_regime(name: str) -> None:
         )
 
 
-def _launch(config_name: str, overrides: list[str] | None, multirun: bool, task) -> None:
+def _launch(
+    config_name: str,
+    overrides: list[str] | None,
+    multirun: bool,
+    task,
+    allow_existing: bool = False,
+) -> None:
     from bapo_cli.config import hydra_runner
     from bapo_cli.tracking import redact
 
@@ -88,12 +103,14 @@ def _launch(config_name: str, overrides: list[str] | None, multirun: bool, task)
     if rank > 0 and not any(o.startswith("hydra.run.dir=") for o in checked.overrides):
         # under torchrun only rank 0 keeps a run dir; the trainer hands it to the other ranks
         scratch = Path(tempfile.gettempdir()) / f"bapo-rank{rank}-{os.getpid()}"
-        checked.overrides.extend([f"hydra.run.dir={scratch}", "hydra.output_subdir=null"])
+        checked.overrides.extend(
+            [f"hydra.run.dir={quote(str(scratch))}", "hydra.output_subdir=null"]
+        )
     elif rank > 0:
         # a named run dir is rank 0's: another rank writing `.hydra/` there could make rank 0's
         # check (`_claim_output_dir`) take this very run for an earlier one
         checked.overrides.append("hydra.output_subdir=null")
-    _claim_output_dir(checked, multirun)
+    _claim_output_dir(checked, multirun, allow_existing)
     if multirun:
         jobs = "a sampled number of" if checked.num_jobs is None else str(checked.num_jobs)
         Console().print(f"[bold]bapo {config_name}[/bold]: {jobs} jobs, every config validated")
@@ -109,25 +126,18 @@ def _launch(config_name: str, overrides: list[str] | None, multirun: bool, task)
     sweep.run_grouped(checked, list(overrides or []), config_name, task)
 
 
-def _claim_output_dir(checked, multirun: bool) -> None:
-    """A run (sweep) dir of its own: `<time>`, else `<time>-1`, ... (bapo_cli.launch.rundir), unless
-    the command line names one (hydra.run.dir=... to resume) or this is a torchrun rank > 0."""
+def _claim_output_dir(checked, multirun: bool, allow_existing: bool = False) -> None:
+    """A run (sweep) dir of its own (bapo_cli.launch.rundir.settle): a fresh `<time>[-N]`, or
+    the real path of one the command line names (hydra.run.dir=... to resume), refused when it
+    holds a run; a torchrun rank > 0 leaves it to rank 0."""
     from bapo_cli.launch import rundir
 
-    key = "hydra.sweep.dir" if multirun else "hydra.run.dir"
-    named = [o for o in checked.overrides if o.lstrip("+").startswith(f"{key}=")]
-    if named:
-        path = named[-1].partition("=")[2].strip("'\"")
-        trainer = getattr(checked.config, "trainer", None)
-        if trainer is not None and int(os.environ.get("RANK", "0")) == 0 and "${" not in path:
-            line = rundir.reuse_error(key, Path(path), trainer.resume)  # bapo train only
-            if line is not None:
-                raise _fail(line)
-            rundir.create_private(Path(path))
+    if int(os.environ.get("RANK", "0")) > 0:
         return
-    root = Path(checked.config.paths.output_root)
-    claimed = rundir.claim_timestamped(root, "sweeps" if multirun else "runs")
-    checked.overrides.append(f"{key}={claimed}")
+    try:
+        rundir.settle(checked, multirun, allow_existing)
+    except rundir.RunDirError as err:
+        raise _fail(str(err)) from None
 
 
 @app.command(
@@ -196,7 +206,7 @@ def train(
             text = multinode.slurm_script(topo, list(overrides or []), gpus=on_gpu)
             slurm_script.write_text(text)
             slurm_script.chmod(0o700)  # its overrides may hold credentials (tracking.uri)
-            Console().print(f"wrote {slurm_script}: sbatch {slurm_script}")
+            _say(f"wrote {slurm_script}: sbatch {slurm_script}")
             return
         program = multinode.train_program(list(overrides or []))
         raise typer.Exit(subprocess.call(multinode.torchrun_command(topo, program)))
@@ -218,6 +228,12 @@ def train(
 def evaluate(
     overrides: list[str] | None = typer.Argument(None, help=OVERRIDES_HELP, show_default=False),
     multirun: bool = typer.Option(False, "--multirun", "-m", help="Run a Hydra sweep."),
+    allow_existing_dir: bool = typer.Option(
+        False,
+        "--allow-existing-dir",
+        help="Write into a hydra.run.dir that holds a run, an evaluation or a checkpoint "
+        "(results.json, samples.jsonl, eval.log beside it; Hydra's record in .hydra-eval).",
+    ),
 ) -> None:
     """Score a model on a benchmark with the composed config (conf/eval.yaml).
 
@@ -227,7 +243,7 @@ def evaluate(
     from bapo_cli.launch import jobs
 
     overrides, several = _benchmark_list(list(overrides or []))
-    _launch("eval", overrides, multirun or several, jobs.eval_job)
+    _launch("eval", overrides, multirun or several, jobs.eval_job, allow_existing_dir)
 
 
 @app.command(
@@ -256,7 +272,7 @@ def serve(
     from bapo_cli.rollout import serve as serving
 
     checked = _preflight("train", overrides)
-    console = Console(highlight=False, soft_wrap=True, markup=False)
+    console = Console(highlight=False, soft_wrap=True, markup=False, emoji=False)
     try:
         code = serving.run(
             checked.config, port=port, host=host, print_only=print_command, say=console.print
@@ -293,7 +309,7 @@ def merge_lora(
     said = f"merged {checkpoint} into {merged.path}"
     if merged.set_aside is not None:
         said += f" (its previous contents are in {merged.set_aside})"
-    Console().print(said, markup=False, highlight=False)
+    _say(said)
 
 
 def _benchmark_list(overrides: list[str]) -> tuple[list[str], bool]:
@@ -367,7 +383,7 @@ def runs(
     with _store_errors(uri):
         rows = tracking.list_runs(uri, experiment, limit)  # fail-fast HTTP (tracking.store)
     if not rows:
-        Console().print(f"no runs yet in {redact.text(uri)}")
+        _say(f"no runs yet in {redact.text(uri)}")
         return
     from bapo_cli.tracking import reader
 
@@ -467,7 +483,7 @@ def ui(
     if uri is None:
         uri = _preflight("train", []).config.tracking.uri
     shown = redact.text(uri)
-    Console().print(f"MLflow UI on http://127.0.0.1:{port} for {shown}  (Ctrl-C stops it)")
+    _say(f"MLflow UI on http://127.0.0.1:{port} for {shown}  (Ctrl-C stops it)")
     raise typer.Exit(server.run_ui(uri, port))
 
 

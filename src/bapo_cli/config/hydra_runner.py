@@ -57,6 +57,45 @@ def _numeric_groups() -> set[str]:
     }
 
 
+def quote(value: str) -> str:
+    """`value` spelled as one override value that Hydra and OmegaConf read back unchanged: as is
+    when it already is (`/data/run`), else quoted (`'/home/josé (copy) [1]'`). A path is never
+    spliced raw into the override grammar, where `( [ ' " , = ; & #`, spaces and non-ASCII letters
+    are syntax or not allowed at all.
+
+    In a quoted value Hydra unescapes only `\\'` and the backslashes before a quote or the end;
+    OmegaConf then reads `${` as an interpolation, `\\${` as a literal one (and doubled
+    backslashes before it as one)."""
+    if _reads_back(value):
+        return value
+    text = re.sub(r"(\\*)\$\{", lambda m: m.group(1) * 2 + "\\${", value)
+    text = re.sub(r"(\\*)('|$)", lambda m: m.group(1) * 2 + ("\\'" if m.group(2) else ""), text)
+    return f"'{text}'"
+
+
+def _reads_back(value: str) -> bool:
+    """Whether `key=value`, unquoted, is read as this very string (no escapes, no interpolation)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    if not value or "$" in value or "\\" in value:
+        return False
+    try:
+        return OverridesParser.create().parse_override(f"k={value}").value() == value
+    except Exception:
+        return False
+
+
+def override_value(line: str) -> Any:
+    """The value of one override as Hydra reads it (quotes and escapes undone); None when the
+    line does not parse (pre-flight reports that)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    try:
+        return OverridesParser.create().parse_override(line).value()
+    except Exception:
+        return None
+
+
 def normalize_overrides(overrides: list[str]) -> list[str]:
     """Make the overrides users type work unchanged in Hydra, and pin the output root.
 
@@ -64,7 +103,8 @@ def normalize_overrides(overrides: list[str]) -> list[str]:
       choice, so the integers of numeric groups are quoted (`staleness='4'`), also in a glob
       (`staleness=glob(*,exclude=8)`); a pattern such as `glob(1*)` is left as typed.
     - `paths.output_root` is made absolute (default `./outputs`, or $BAPO_OUTPUT_ROOT) in the
-      launching process, so launchers that start jobs elsewhere (SLURM) write to the same place.
+      launching process, so launchers that start jobs elsewhere (SLURM) write to the same place,
+      and quoted for Hydra (`quote`): any working directory's name works.
     """
     numeric = _numeric_groups()
     out: list[str] = []
@@ -76,16 +116,19 @@ def normalize_overrides(overrides: list[str]) -> list[str]:
             value = re.sub(r"(?<![\w'\".*?])(\d+)(?![\w'\".*?])", r"'\1'", value)
         if sep and bare == "paths.output_root":
             has_root = True
-            value = str(Path(os.path.expanduser(value)).resolve())
+            typed = override_value(raw)
+            if isinstance(typed, str) and "${" not in typed:  # an interpolation stays as typed
+                value = quote(str(Path(os.path.expanduser(typed)).resolve()))
         out.append(f"{key}{sep}{value}")
     if not has_root:
         root = Path(os.environ.get(OUTPUT_ROOT_ENV) or "outputs").expanduser().resolve()
-        out.append(f"paths.output_root={root}")
+        out.append(f"paths.output_root={quote(str(root))}")
     return out
 
 
-def compose(config_name: str, overrides: list[str]) -> Any:
-    """Compose `conf/<config_name>.yaml` with (normalised) overrides; the job config only."""
+def compose(config_name: str, overrides: list[str], *, with_hydra: bool = False) -> Any:
+    """Compose `conf/<config_name>.yaml` with (normalised) overrides; the job config only, or
+    with Hydra's own node (`hydra.run.dir`, `hydra.sweep.*`: where the run will write)."""
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
 
@@ -93,7 +136,9 @@ def compose(config_name: str, overrides: list[str]) -> Any:
 
     schema.register()
     with initialize_config_dir(config_dir=str(config_dir()), version_base=VERSION_BASE):
-        return hydra_compose(config_name=config_name, overrides=overrides)
+        return hydra_compose(
+            config_name=config_name, overrides=overrides, return_hydra_config=with_hydra
+        )
 
 
 def sweeper_params(config_name: str, overrides: list[str]) -> list[str] | None:

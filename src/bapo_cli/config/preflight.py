@@ -5,6 +5,11 @@ every job the basic sweeper would launch, so `bapo train -m algo.rho0=0.3,1.5` f
 starts, not halfway through a sweep. A `group=glob(...)` sweep is first turned into the explicit
 list of the group's options it matches (`expand_globs`), which is what Hydra is then handed.
 
+Each job's output dir is read from its composed config as Hydra will read it (`Dirs`:
+`hydra.run.dir`, or `hydra.sweep.dir` and every job's `hydra.sweep.subdir`, interpolations
+resolved), for the CLI's run-dir check (bapo_cli.launch.rundir); two jobs of one sweep that would
+share a dir are refused here (`distinct_job_dirs`).
+
 A training step's work is bounded (`step_work_error`: sequences and response tokens per step,
 whatever the machine), and a training config must also fit the machine (`step_memory_error`):
 a step's samples, every response at `rollout.max_tokens`, need at least `STEP_BYTES_PER_TOKEN`
@@ -18,9 +23,10 @@ import dataclasses
 import os
 import re
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict
 
 from bapo_cli.config import hydra_runner, schema
 from bapo_cli.config.errors import ConfigError, explain, unknown_key, unknown_option
@@ -33,16 +39,32 @@ class PreflightError(Exception):
 
 
 @dataclass(frozen=True)
+class Dirs:
+    """Where Hydra will write, read from the composed config the way Hydra reads it when a job
+    starts (`hydra.core.utils.run_job`): every interpolation expanded (`${paths.output_root}/..`,
+    `${oc.env:PWD}`, `${now:...}`, `${hydra.job.num}`), the path itself left as spelled (the
+    CLI makes it a real path: bapo_cli.launch.rundir)."""
+
+    output: str  # hydra.run.dir (a run) or hydra.sweep.dir (a multirun)
+    subdirs: list[str] | None  # a multirun's hydra.sweep.subdir, per job; None: sampled jobs
+    record: str | None  # hydra.output_subdir (`.hydra`): Hydra's copy of the config; None = off
+
+
+@dataclass(frozen=True)
 class Preflight:
     overrides: list[str]  # normalised, ready for Hydra
     config: Any  # validated dataclass of the first (or only) job
     num_jobs: int | None  # None when the sweeper samples (Optuna)
     jobs: list[list[str]] | None = None  # a multirun's jobs (overrides each), as validated
+    dirs: Dirs | None = None  # where Hydra will write
 
 
 def to_validated(cfg: DictConfig) -> Any:
     """DictConfig -> schema dataclass, with every `check()` run. Raises ConfigError."""
-    cfg = OmegaConf.masked_copy(cfg, [k for k in cfg if k != "hydra"]) if "hydra" in cfg else cfg
+    if "hydra" in cfg:  # Hydra's own node is no part of the schema; the copy keeps its type
+        cfg = cfg.copy()
+        with open_dict(cfg):
+            del cfg["hydra"]
     check_known_keys(cfg)
     try:
         obj = OmegaConf.to_object(cfg)
@@ -244,9 +266,80 @@ def _gib(n: int) -> str:
     return f"{n / 2**30:,.1f} GiB"
 
 
-def _compose_checked(config_name: str, overrides: list[str]) -> Any:
+def _resolved(cfg: DictConfig, key: str, num: int | None = None) -> str:
+    """`key` of the composed config (with its `hydra` node) as Hydra resolves it for job `num`
+    of a multirun (None: a single run): `hydra.job.num`/`id` set as the launcher sets them and
+    the config installed as HydraConfig, so `${hydra:...}` resolves too."""
+    from hydra.core.hydra_config import HydraConfig
+    from omegaconf import read_write
+
+    if num is not None:
+        basic = str(cfg.hydra.launcher.get("_target_", "")).endswith(".BasicLauncher")
+        with read_write(cfg.hydra), open_dict(cfg.hydra):
+            cfg.hydra.job.num = num
+            cfg.hydra.job.id = num if basic else f"{cfg.hydra.job.name}_{num}"  # joblib's
+    held = HydraConfig.instance().cfg
     try:
-        cfg = hydra_runner.compose(config_name, overrides)
+        HydraConfig.instance().set_config(cfg)
+        return str(OmegaConf.select(cfg, key, throw_on_missing=True))
+    except Exception as exc:
+        detail = explain(exc).removeprefix(f"{key}: ")
+        raise PreflightError(f"{key}: cannot resolve it ({detail})") from exc
+    finally:
+        HydraConfig.instance().cfg = held
+
+
+def _typed(cfg: DictConfig, key: str) -> str:
+    """`hydra.sweep.subdir` as written in the config or on the command line (unresolved)."""
+    parent, _, leaf = key.rpartition(".")
+    return str(OmegaConf.to_container(OmegaConf.select(cfg, parent), resolve=False)[leaf])
+
+
+def distinct_job_dirs(sweep_dir: str, subdirs: list[str], typed: str) -> None:
+    """No two jobs of a sweep share a dir, or nest one in another: their checkpoints, samples
+    and `.hydra` would mix. A job's dir is `os.path.join(sweep dir, subdir)` as Hydra makes it
+    (an absolute subdir replaces the sweep dir), compared as real paths."""
+    seen: dict[str, int] = {}
+    for num, sub in enumerate(subdirs):
+        path = os.path.realpath(os.path.join(sweep_dir, sub))
+        if path in seen:
+            raise PreflightError(
+                f"hydra.sweep.subdir={typed}: jobs {seen[path]} and {num} would share one dir "
+                f"({path}) and mix their checkpoints and samples; the subdir must differ per "
+                "job, e.g. ${hydra.job.num} (the default) or ${hydra.job.override_dirname}"
+            )
+        seen[path] = num
+    for path, num in seen.items():
+        outer = next((str(p) for p in Path(path).parents if str(p) in seen), None)
+        if outer is not None:
+            raise PreflightError(
+                f"hydra.sweep.subdir={typed}: job {num}'s dir ({path}) lies inside job "
+                f"{seen[outer]}'s ({outer}); each job needs a dir of its own, e.g. "
+                "${hydra.job.num} (the default)"
+            )
+
+
+def _sampled_job_dirs(cfg: DictConfig) -> None:
+    """A sampling sweeper's trials are not known ahead: the subdir must at least name the job
+    (`${hydra.job.num}`), or every trial writes into one dir."""
+    first, second = _resolved(cfg, "hydra.sweep.subdir", 0), _resolved(cfg, "hydra.sweep.subdir", 1)
+    if first == second:
+        raise PreflightError(
+            f"hydra.sweep.subdir={_typed(cfg, 'hydra.sweep.subdir')}: the same ({first}) for "
+            "every trial of this sampling sweep, which would all write into one dir; name the "
+            "job in it, e.g. ${hydra.job.num} (the default)"
+        )
+
+
+def _record(cfg: DictConfig) -> str | None:
+    record = cfg.hydra.output_subdir
+    return None if record is None else str(record)
+
+
+def _compose_checked(config_name: str, overrides: list[str]) -> tuple[Any, DictConfig]:
+    """The validated config of one job, and what Hydra composed (its `hydra` node included)."""
+    try:
+        cfg = hydra_runner.compose(config_name, overrides, with_hydra=True)
     except Exception as exc:
         line = explain(exc)
         for group, extra in PLUGIN_GROUPS.items():
@@ -267,7 +360,7 @@ def _compose_checked(config_name: str, overrides: list[str]) -> Any:
     reward = getattr(config, "reward", None)
     if reward is not None and reward.name == "python":
         check_reward_fn(reward.fn)
-    return config
+    return config, cfg
 
 
 def check_reward_fn(spec: str) -> None:
@@ -288,7 +381,9 @@ def preflight(config_name: str, overrides: list[str], *, multirun: bool = False)
     overrides = hydra_runner.normalize_overrides(list(overrides))
     check_group_choices(overrides)
     if not multirun:
-        return Preflight(overrides, _compose_checked(config_name, overrides), 1)
+        config, cfg = _compose_checked(config_name, overrides)
+        dirs = Dirs(_resolved(cfg, "hydra.run.dir"), None, _record(cfg))
+        return Preflight(overrides, config, 1, dirs=dirs)
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
     overrides = expand_globs(overrides)
@@ -304,19 +399,27 @@ def preflight(config_name: str, overrides: list[str], *, multirun: bool = False)
     except Exception as exc:
         raise PreflightError(f"cannot expand the sweep: {explain(exc)}") from exc
     if jobs is None:  # a sampling sweeper: validate what is fixed; each trial checks itself
-        return Preflight(overrides, _compose_checked(config_name, fixed), None)
+        config, cfg = _compose_checked(config_name, fixed)
+        _sampled_job_dirs(cfg)
+        dirs = Dirs(_resolved(cfg, "hydra.sweep.dir"), None, _record(cfg))
+        return Preflight(overrides, config, None, dirs=dirs)
     swept = {
         o.get_key_element()
         for o in OverridesParser.create().parse_overrides(declared + overrides)
         if o.is_sweep_override()
     }
-    first = None
+    first, subdirs = None, []
     for num, job in enumerate(jobs):
         try:
-            config = _compose_checked(config_name, job)
+            config, cfg = _compose_checked(config_name, job)
+            subdirs.append(_resolved(cfg, "hydra.sweep.subdir", num))
         except PreflightError as exc:
             if len(jobs) == 1:
                 raise
             raise PreflightError(_name_job(str(exc), num, job, swept)) from exc
-        first = first if first is not None else config
-    return Preflight(overrides, first, len(jobs), jobs)
+        if first is None:  # one sweep dir for every job: the CLI pins it (bapo_cli.launch.rundir)
+            first = config
+            dirs = Dirs(_resolved(cfg, "hydra.sweep.dir"), subdirs, _record(cfg))
+            typed = _typed(cfg, "hydra.sweep.subdir")
+    distinct_job_dirs(dirs.output, subdirs, typed)
+    return Preflight(overrides, first, len(jobs), jobs, dirs)

@@ -529,6 +529,13 @@ class RolloutConfig:
         _one_of("tis_mode", self.tis_mode, TIS_MODES)
         _one_of("seq_mask", self.seq_mask, SEQ_MASKS)
         t = self.seq_mask_threshold
+        if self.seq_mask == "none" and t is not None:  # a threshold that would mask nothing
+            raise ConfigError(
+                "seq_mask_threshold",
+                t,
+                "set while rollout.seq_mask=none, so nothing is masked; choose rollout.seq_mask="
+                "geo or opsm, or drop the threshold (null)",
+            )
         if self.seq_mask != "none" and t is None:
             raise ConfigError("seq_mask_threshold", t, f"required with seq_mask={self.seq_mask}")
         if self.seq_mask == "geo" and not t > 1.0:

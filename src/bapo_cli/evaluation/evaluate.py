@@ -195,7 +195,9 @@ def evaluate(cfg: Any, run_dir: Path, console: Console | None = None) -> dict[st
     engine = make_engine(engine_name, model=model, tokenizer=tokenizer, cfg=cfg)
     console.print(
         f"scoring {cfg.model.path} on {cfg.benchmark.name}: {len(problems)} problems × "
-        f"{cfg.eval.n} samples with {engine_name}"
+        f"{cfg.eval.n} samples with {engine_name}",
+        markup=False,  # a path, not markup
+        emoji=False,
     )
     params = SamplingParams(
         temperature=cfg.eval.temperature,
@@ -241,7 +243,7 @@ def evaluate(cfg: Any, run_dir: Path, console: Console | None = None) -> dict[st
     tracker.log_artifact(run_dir / "samples.jsonl")
     tracker.close()
     console.print(results_table(cfg.benchmark.name, result, skipped))
-    console.print(f"results: {run_dir / 'results.json'}")
+    console.print(f"results: {run_dir / 'results.json'}", markup=False, emoji=False)
     return results
 
 

@@ -51,7 +51,8 @@ def _keep_private() -> None:
 
     hydra_cfg = HydraConfig.get()
     run_dir = Path(hydra_cfg.runtime.output_dir)
-    files = list((run_dir / ".hydra").glob("*.yaml"))
+    record = hydra_cfg.output_subdir  # `.hydra`; `.hydra-eval[-N]` beside another run's
+    files = list((run_dir / record).glob("*.yaml")) if record else []
     if hydra_cfg.mode == RunMode.MULTIRUN:
         files.append(Path(hydra_cfg.sweep.dir) / "multirun.yaml")
     rundir.make_private([run_dir, *files])
@@ -147,7 +148,7 @@ def _resume_command(run_dir: Path) -> str:
     words += [o for o in _job_overrides() if not o.startswith("trainer.resume=")]
     if root is not None and root != default_root:
         words.append(f"paths.output_root={root}")
-    words += ["trainer.resume=true", f"hydra.run.dir={run_dir}"]
+    words += ["trainer.resume=true", f"hydra.run.dir={hydra_runner.quote(str(run_dir))}"]
     return " ".join(shlex.quote(w) for w in redact.overrides(words))  # secrets masked
 
 

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from bapo_cli.config.schema import EvalRunConfig, TrainConfig
 from bapo_cli.tracking import redact
@@ -61,8 +62,9 @@ def _table(title: str, rows: list[tuple[str, str]]) -> Table:
     table.add_column()
     for key, value in rows:
         # every value masked, not only tracking's: free-form fields (model.name,
-        # tracking.experiment, a data path) may hold a credentialed URL
-        table.add_row(key, redact.text(value))
+        # tracking.experiment, a data path) may hold a credentialed URL; a Text, so that user
+        # text is shown as it is, never read as markup (`[/]`) or emoji codes (`:-1:`)
+        table.add_row(key, Text(redact.text(value)))
     return table
 
 

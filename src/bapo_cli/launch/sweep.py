@@ -69,7 +69,7 @@ def run_grouped(checked: Any, typed: list[str], config_name: str, task: Callable
 
 def _say(console: Console, line: str) -> None:
     """Unwrapped (a path or command stays one copyable line at any width, piped too)."""
-    console.print(line, highlight=False, markup=False, soft_wrap=True)
+    console.print(line, highlight=False, markup=False, emoji=False, soft_wrap=True)
 
 
 def swept_keys(jobs: list[list[str]] | None) -> list[str]:
