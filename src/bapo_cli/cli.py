@@ -192,7 +192,16 @@ def train(
         raise _fail(f"--nproc {nproc}: must be >= 0 (0 = no torchrun)")
     many = nnodes != 1 or node_rank is not None or rdzv_endpoint is not None
     topo = multinode.Topology(max(nproc, 1), nnodes, node_rank, rdzv_endpoint)  # 0 → 1 per node
-    if (nproc >= 1 or many or slurm_script) and "WORLD_SIZE" not in os.environ:
+    given = {
+        "--nproc": nproc >= 1,
+        "--nnodes": nnodes != 1,
+        "--node-rank": node_rank is not None,
+        "--rdzv-endpoint": rdzv_endpoint is not None,
+        "--slurm-script": slurm_script is not None,
+    }
+    if any(given.values()) and "WORLD_SIZE" in os.environ:  # they would be ignored
+        raise _fail(multinode.launched_already([f for f, on in given.items() if on]))
+    if nproc >= 1 or many or slurm_script:
         if multirun:
             raise _fail("--nproc and -m together: run the sweep's jobs one torchrun at a time")
         try:

@@ -145,7 +145,13 @@ def test_bapo_train_lora_on_two_nodes_writes_one_run(tmp_path: Path, _output_roo
 
 
 def test_torchrun_flags_for_one_node_c10d_and_static() -> None:
-    assert multinode.torchrun_args(Topology(2)) == ["--standalone", "--nproc-per-node=2"]
+    assert multinode.torchrun_args(Topology(2)) == [  # the store on 127.0.0.1 only
+        "--nnodes=1",
+        "--nproc-per-node=2",
+        "--rdzv-backend=bapo-loopback",
+        "--rdzv-endpoint=127.0.0.1:0",
+    ]
+    assert multinode.torchrun_command(Topology(2), [])[1:3] == ["-m", "bapo_cli.launch.loopback"]
     assert multinode.torchrun_args(Topology(8, 4, None, "node01:29500")) == [
         "--nnodes=4",
         "--nproc-per-node=8",
@@ -166,7 +172,7 @@ def test_torchrun_flags_for_one_node_c10d_and_static() -> None:
     ("topo", "script", "says"),
     [
         (Topology(1, 2), False, "--nnodes 2 needs --rdzv-endpoint HOST:PORT"),
-        (Topology(1, 2, None, "node01"), False, "--rdzv-endpoint node01: must be HOST:PORT"),
+        (Topology(1, 2, None, "node01"), False, "--rdzv-endpoint node01: no HOST:PORT"),
         (Topology(1, 2, 2, "h:1"), False, "--node-rank 2: must be within 0 .. 1"),
         (Topology(1, 1, 0, None), False, "--node-rank / --rdzv-endpoint need --nnodes > 1"),
         (Topology(1, 0), False, "--nnodes 0: must be >= 1"),

@@ -360,7 +360,35 @@ def _compose_checked(config_name: str, overrides: list[str]) -> tuple[Any, DictC
     reward = getattr(config, "reward", None)
     if reward is not None and reward.name == "python":
         check_reward_fn(reward.fn)
+    check_tracking(config, overrides)
     return config, cfg
+
+
+def check_tracking(config: Any, overrides: list[str]) -> None:
+    """Tracking settings that would fail only when the trackers start, after the model loads:
+    an MLflow URI with no store behind its scheme, a store or log dir that cannot be created,
+    a TensorBoard dir holding another run's events (bapo_cli.tracking.checks). Rank 0 only:
+    the other ranks of a torchrun launch track nothing (and rank 0 may be writing there)."""
+    from bapo_cli.tracking import checks
+
+    tracking = getattr(config, "tracking", None)
+    if tracking is None or int(os.environ.get("RANK", "0") or 0) > 0:
+        return
+    trainer = getattr(config, "trainer", None)
+    resume = bool(getattr(trainer, "resume", False))
+    line = checks.settings_error(tracking, resume=resume, run_dir=named_run_dir(overrides))
+    if line is not None:
+        raise PreflightError(line)
+
+
+def named_run_dir(overrides: list[str]) -> str | None:
+    """The run dir the command line names (`hydra.run.dir=...`, the last one), None when it
+    names none or one that Hydra has yet to interpolate."""
+    named = [o for o in overrides if o.lstrip("+").startswith("hydra.run.dir=")]
+    if not named:
+        return None
+    path = named[-1].partition("=")[2].strip("'\"")
+    return None if "${" in path or not path else path
 
 
 def check_reward_fn(spec: str) -> None:

@@ -20,7 +20,7 @@ from rich.console import Console
 from bapo_cli.config.errors import USAGE_EXIT_CODE, ConfigError
 from bapo_cli.config.preflight import to_validated
 from bapo_cli.launch import plan
-from bapo_cli.launch.runlog import LoggedConsole, log
+from bapo_cli.launch.runlog import LoggedConsole, log, quiet_libraries
 from bapo_cli.tracking import redact
 
 SWEPT_ENV = "BAPO_SWEPT_KEYS"
@@ -32,6 +32,7 @@ def _validated(cfg: DictConfig):
     import dataclasses
 
     redact.mask_log_records()  # also in a launcher's worker process (joblib, SLURM)
+    quiet_libraries()  # MLflow's and torch's known-noisy lines: to the job's log file only
     _keep_private()
     try:
         config = to_validated(cfg)

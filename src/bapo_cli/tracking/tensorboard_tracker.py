@@ -13,17 +13,20 @@ files as the MLflow run, through the same buffered delivery (writer.BufferedTrac
   may show some points twice when it is written again.
 - A resume (`trainer.resume=true`, same run dir) finds the event files already there and, like
   MLflow, does not log again the steps they hold (read back with TensorBoard's own
-  EventAccumulator). So `tracking.tensorboard.log_dir` must be one directory per run.
+  EventAccumulator). So `tracking.tensorboard.log_dir` must be one directory per run: the log
+  dir names its run (checks.RUN_MARKER), and a run whose log dir holds another run's event files
+  is refused (at config preflight, and here at start for jobs of one sweep).
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 import shutil
 from pathlib import Path
 from typing import Any
 
-from bapo_cli.tracking import redact
+from bapo_cli.tracking import checks, redact
 from bapo_cli.tracking.server import describe_failure, logger
 from bapo_cli.tracking.spill import Metric
 from bapo_cli.tracking.writer import STEP_KEY, BufferedTracker
@@ -67,6 +70,8 @@ class TensorBoardTracker(BufferedTracker):
         self.log_dir = Path(log_dir)
         self.uri = f"TensorBoard {self.log_dir}"  # as shown in warnings
         self.log_dir.mkdir(parents=True, exist_ok=True)
+        if run_dir is not None:
+            self._claim(Path(run_dir))
         self.logged_until = last_step(self.log_dir)
         self._writer: Any = None
         self._open()  # fails here, before any step, if the directory cannot be written
@@ -78,6 +83,18 @@ class TensorBoardTracker(BufferedTracker):
             delivery_timeout_s=delivery_timeout_s,
             max_pending=max_pending,
         )
+
+    def _claim(self, run_dir: Path) -> None:
+        """Refuse a log dir whose event files another run wrote (it would log nothing: their
+        steps count as logged; config preflight says so before the model loads, this catches
+        two jobs of one sweep), then name this run in it (checks.RUN_MARKER)."""
+        owner = checks.run_of(self.log_dir)
+        if checks.foreign_events_error(self.log_dir, run_dir, resume=True) is not None:
+            raise FileExistsError(
+                f"it holds the event files of the run in {owner}; one directory per run"
+            )
+        if owner is None or not checks.same_dir(owner, run_dir):
+            (self.log_dir / checks.RUN_MARKER).write_text(f"{os.path.realpath(run_dir)}\n")
 
     def _open(self) -> Any:
         if self._writer is None:
