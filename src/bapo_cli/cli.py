@@ -415,8 +415,8 @@ def ui(
     uri: str | None = typer.Option(None, help="Tracking URI (default: the train config's)."),
     port: int = typer.Option(5000, help="Port on 127.0.0.1."),
 ) -> None:
-    """Open the MLflow UI on the tracking store (runs `mlflow ui`; SIGTERM and Ctrl-C stop all
-    of it, its output is relayed masked: bapo_cli.tracking.server.run_ui)."""
+    """Open the MLflow UI on the tracking store (runs `mlflow ui`; Ctrl-C, SIGTERM and SIGHUP
+    stop all of it, its output is relayed masked: bapo_cli.tracking.server.run_ui)."""
     from bapo_cli.tracking import redact, server
 
     if uri is None:
