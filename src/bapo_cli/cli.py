@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import subprocess
 import sys
 import tempfile
 from collections.abc import Iterator
@@ -176,7 +175,7 @@ def train(
     ),
 ) -> None:
     """Train a policy with the composed config (conf/train.yaml)."""
-    from bapo_cli.launch import jobs, multinode
+    from bapo_cli.launch import forward, jobs, multinode
 
     if nproc < 0:
         raise _fail(f"--nproc {nproc}: must be >= 0 (0 = no torchrun)")
@@ -199,11 +198,13 @@ def train(
             Console().print(f"wrote {slurm_script}: sbatch {slurm_script}")
             return
         program = multinode.train_program(list(overrides or []))
-        raise typer.Exit(subprocess.call(multinode.torchrun_command(topo, program)))
+        env = forward.agent_env(checked.config.trainer.stop_grace_s)
+        command = forward.agent_command(multinode.torchrun_command(topo, program))
+        raise typer.Exit(forward.run(command, env))
     try:
         _launch("train", overrides, multirun, jobs.train_job)
-    except KeyboardInterrupt:  # Ctrl-C: the trainer saved, closed and said how to resume
-        raise typer.Exit(130) from None
+    except KeyboardInterrupt as stopped:  # the trainer saved, closed and said how to resume
+        raise typer.Exit(getattr(stopped, "code", 130)) from None
 
 
 @app.command(
