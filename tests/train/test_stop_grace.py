@@ -61,9 +61,7 @@ def test_sigterm_between_steps_asks_for_a_stop_with_a_deadline_and_exit_143(said
 
 
 @pytest.mark.parametrize("phase", [ROLLOUT, UPDATE])
-def test_a_step_still_running_when_the_grace_runs_out_is_abandoned_where_it_is(
-    said, phase
-) -> None:
+def test_a_step_still_running_when_the_grace_runs_out_is_abandoned_where_it_is(said, phase) -> None:
     with GracefulStop(said.append, grace_s=0.2) as stop:
         stop.phase = phase
         t0 = time.monotonic()

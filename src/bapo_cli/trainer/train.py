@@ -196,7 +196,7 @@ def train(
             _resume(run, resume_from, saved)
         stop.phase = IDLE  # from here a stop closes the run KILLED and says how to resume
         tracker = _start_tracking(run, tags or {}, resumed=resume_from is not None, swept=swept)
-        status, clean = "FAILED", False
+        status, clean, stopped = "FAILED", False, False
         try:
             run.val_sets = (
                 evaluate.validation_sets(cfg, grader=run.prompts.math.grade_batch)
@@ -207,11 +207,11 @@ def train(
                 tracker.log_metrics(_validate(run), step=0)
             # async: the generation worker starts from the weights and version training resumes
             run.regime.start(cfg, run.model, run.state.version)
-            _loop(run, tracker, stop)
-            status = "KILLED" if stop.requested else "FINISHED"
+            stopped = _loop(run, tracker, stop)
+            status = "KILLED" if stopped else "FINISHED"
             clean = True  # every rank is past the last step's collectives
         except StepAbandoned as abandoned:  # saved what could be (_abandon), or nothing
-            status, clean = "KILLED", abandoned.phase == ROLLOUT
+            status, clean, stopped = "KILLED", abandoned.phase == ROLLOUT, True
             if abandoned.phase == UPDATE:
                 newest = f"step {run.saved_step}" if run.saved_step else "none"
                 stop.say(
@@ -230,25 +230,25 @@ def train(
         finally:
             stop.phase = IDLE
             _close(run, tracker, status, clean=clean)
-    resume = None
-    if stop.requested:
-        resume = resume_command or (
-            f"rerun the same command with trainer.resume=true hydra.run.dir={run_dir}"
+        resume = None
+        if stopped:
+            resume = resume_command or (
+                f"rerun the same command with trainer.resume=true hydra.run.dir={run_dir}"
+            )
+        title = "bapo train: summary" + (
+            f" (stopped by {stop.reason} at step {run.state.step})" if stopped else ""
         )
-    title = "bapo train: summary" + (
-        f" (stopped by {stop.reason} at step {run.state.step})" if stop.requested else ""
-    )
-    print_summary(
-        console,
-        run.state.history,
-        run_dir,
-        cfg.tracking.uri,
-        tracker.run_id,
-        resume=resume,
-        title=title,
-        mlflow="mlflow" in cfg.tracking.backends,
-        others=tracking_where_lines(cfg.tracking, tracker.run_id, run_dir),
-    )
+        print_summary(
+            console,
+            run.state.history,
+            run_dir,
+            cfg.tracking.uri,
+            tracker.run_id,
+            resume=resume,
+            title=title,
+            mlflow="mlflow" in cfg.tracking.backends,
+            others=tracking_where_lines(cfg.tracking, tracker.run_id, run_dir),
+        )
     return TrainResult(
         run_dir,
         tracker.run_id,
@@ -256,8 +256,8 @@ def train(
         run.last_ckpt,
         run.updates,
         run.batch,
-        interrupted=stop.requested,
-        exit_code=stop.exit_code if stop.requested else 0,
+        interrupted=stopped,
+        exit_code=stop.exit_code if stopped else 0,
     )
 
 
@@ -575,11 +575,12 @@ def _close(run: Run, tracker: Any, status: str, *, clean: bool) -> None:
 # ----------------------------------------------------------------------------- loop, step, save
 
 
-def _loop(run: Run, tracker: Any, stop: GracefulStop) -> None:
+def _loop(run: Run, tracker: Any, stop: GracefulStop) -> bool:
     """Steps until trainer.max_steps or a stop (Ctrl-C, SIGTERM, SIGUSR1: `stop.requested`, agreed
     by all ranks after each step): metrics averaged over ranks, validation, logging and
-    checkpoints at their intervals; the last step done is always saved. A step abandoned for
-    want of time (`StepAbandoned`) leaves the loop (`_train_step` saved what it could)."""
+    checkpoints at their intervals; the last step done is always saved. Whether a stop ended it
+    (a signal after the last step does not). A step abandoned for want of time
+    (`StepAbandoned`) leaves the loop (`_train_step` saved what it could)."""
     cfg, state = run.cfg, run.state
     with TrainProgress(cfg.trainer.max_steps, state.step, run.console) as progress:
         stop.say = progress.note  # above the bar
@@ -604,6 +605,7 @@ def _loop(run: Run, tracker: Any, stop: GracefulStop) -> None:
             progress.update(state.step, metrics)
             if last or (cfg.trainer.save_every and state.step % cfg.trainer.save_every == 0):
                 _save(run, tracker, say=progress.note if stopping else None)
+    return stopping
 
 
 def _agree(run: Run, stop: GracefulStop, abandon: bool = False) -> tuple[bool, bool]:
