@@ -23,6 +23,7 @@ import torch
 from safetensors.torch import load_file
 
 from bapo_cli.trainer import checkpoint
+from tests.tracking.readback import isolate_wandb, tb_scalars, wandb_history, wandb_records
 from tests.train.test_ctrl_c import TRACKED, Bapo, _runs, _store
 
 pytestmark = pytest.mark.slow
@@ -48,9 +49,13 @@ def _saved_step(run_dir: Path) -> int:
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1], ids=lambda s: s.name)
 def test_a_stop_signal_saves_the_step_closes_killed_and_the_resume_finishes_the_run(
-    sig: signal.Signals, _output_root: Path, tmp_path: Path
+    sig: signal.Signals, _output_root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    bapo = Bapo("train", *TRACKED, STEPS, "trainer.save_every=5", cwd=tmp_path)
+    # SIGUSR1's run logs to TensorBoard and W&B (offline) too: they are closed as well
+    isolate_wandb(tmp_path, monkeypatch)
+    others = ["tracking.backends=[mlflow,tensorboard,wandb]", "tracking.wandb.mode=offline"]
+    others = others if sig == signal.SIGUSR1 else []
+    bapo = Bapo("train", *TRACKED, STEPS, "trainer.save_every=5", *others, cwd=tmp_path)
     bapo.wait_for("step 2/")
     bapo.proc.send_signal(sig)
     assert bapo.finish() == 128 + sig, bapo.output()
@@ -68,8 +73,14 @@ def test_a_stop_signal_saves_the_step_closes_killed_and_the_resume_finishes_the_
     resume = bapo.line("resume: ").removeprefix("resume: ")
     words = shlex.split(resume)
     assert words[-2:] == ["trainer.resume=true", f"hydra.run.dir={run_dir}"]
-    if sig != signal.SIGTERM:
-        return  # the resume is the same for both
+    if sig != signal.SIGTERM:  # the resume is the same for both
+        tensorboard = tb_scalars(run_dir / "tensorboard")["reward/mean"]
+        assert [s for s, _ in tensorboard] == list(range(1, step + 1))
+        records = wandb_records(run_dir)
+        assert sorted(wandb_history(records)) == list(range(1, step + 1))
+        (ended,) = [r for r in records if r["type"] == "exit"]  # the run was finished
+        assert ended["exit"].get("exitCode") == 1, ended  # not 0: it did not complete
+        return
 
     # the printed command finishes the run: same dir and MLflow run, each step's samples once
     shorter = [f"trainer.max_steps={step + 2}" if w == STEPS else w for w in words[1:]]

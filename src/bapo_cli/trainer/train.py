@@ -868,10 +868,11 @@ def _abandon(
     so that step is saved unless it already is. Raises StepAbandoned to leave the loop."""
     why = abandoned.why if abandoned is not None else "another rank abandoned it"
     done = run.state.step
-    if snapshot is None or done == 0 or run.saved_step == done:
-        kept = "nothing to save" if snapshot is not None else "its buffers cannot be rolled back"
-        if snapshot is not None and done and run.saved_step == done:
-            kept = f"step {done} is saved already"
+    if done == 0 or run.saved_step == done or snapshot is None:
+        kept = "nothing to save yet" if done == 0 else f"step {done} is saved already"
+        if done and run.saved_step != done:
+            newest = f"step {run.saved_step}" if run.saved_step else "none"
+            kept = f"this regime's buffers are not kept per step (newest checkpoint: {newest})"
         stop.say(f"{stop.reason}: abandoning step {done + 1} ({why}); {kept}")
         raise StepAbandoned(ROLLOUT, why)
     stop.say(f"{stop.reason}: abandoning step {done + 1} ({why}); saving step {done}")
