@@ -79,7 +79,7 @@ def test_a_stop_signal_saves_the_step_closes_killed_and_the_resume_finishes_the_
         records = wandb_records(run_dir)
         assert sorted(wandb_history(records)) == list(range(1, step + 1))
         (ended,) = [r for r in records if r["type"] == "exit"]  # the run was finished
-        assert ended["exit"].get("exitCode") == 1, ended  # not 0: it did not complete
+        assert ended["exit"]["exit_code"] == 1, ended  # not 0: it did not complete
         return
 
     # the printed command finishes the run: same dir and MLflow run, each step's samples once
