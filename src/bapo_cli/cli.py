@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import subprocess
 import sys
 import tempfile
 from collections.abc import Iterator
@@ -186,7 +185,7 @@ def train(
     ),
 ) -> None:
     """Train a policy with the composed config (conf/train.yaml)."""
-    from bapo_cli.launch import jobs, multinode
+    from bapo_cli.launch import forward, jobs, multinode
 
     if nproc < 0:
         raise _fail(f"--nproc {nproc}: must be >= 0 (0 = no torchrun)")
@@ -218,11 +217,13 @@ def train(
             _say(f"wrote {slurm_script}: sbatch {slurm_script}")
             return
         program = multinode.train_program(list(overrides or []))
-        raise typer.Exit(subprocess.call(multinode.torchrun_command(topo, program)))
+        env = forward.agent_env(checked.config.trainer.stop_grace_s)
+        command = forward.agent_command(multinode.torchrun_command(topo, program))
+        raise typer.Exit(forward.run(command, env))
     try:
         _launch("train", overrides, multirun, jobs.train_job)
-    except KeyboardInterrupt:  # Ctrl-C: the trainer saved, closed and said how to resume
-        raise typer.Exit(130) from None
+    except KeyboardInterrupt as stopped:  # the trainer saved, closed and said how to resume
+        raise typer.Exit(getattr(stopped, "code", 130)) from None
 
 
 @app.command(
@@ -485,8 +486,8 @@ def ui(
     uri: str | None = typer.Option(None, help="Tracking URI (default: the train config's)."),
     port: int = typer.Option(5000, help="Port on 127.0.0.1."),
 ) -> None:
-    """Open the MLflow UI on the tracking store (runs `mlflow ui`; SIGTERM and Ctrl-C stop all
-    of it, its output is relayed masked: bapo_cli.tracking.server.run_ui)."""
+    """Open the MLflow UI on the tracking store (runs `mlflow ui`; Ctrl-C, SIGTERM and SIGHUP
+    stop all of it, its output is relayed masked: bapo_cli.tracking.server.run_ui)."""
     from bapo_cli.tracking import redact, server
 
     if uri is None:

@@ -664,6 +664,12 @@ class TrainerConfig:
         None, "keep only the newest N complete checkpoints (older ones deleted); null = keep all"
     )
     resume: bool = opt(False, "continue from the last checkpoint in the run dir")
+    stop_grace_s: float = opt(
+        20.0,
+        "after SIGTERM or SIGUSR1: seconds the step in progress gets to end before it is "
+        "abandoned (the checkpoint follows: SLURM sends SIGKILL 30 s after SIGTERM by "
+        "default); 0 = finish the step however long it takes",
+    )
     val_every: int = opt(0, "validate every N steps; 0 = never")
     val_benchmarks: list[str] = opt(
         [],
@@ -726,6 +732,7 @@ class TrainerConfig:
             _positive("micro_batch_tokens", self.micro_batch_tokens)
         _positive("logprob_chunk", self.logprob_chunk)
         _positive("save_every", self.save_every, allow_zero=True)
+        _positive("stop_grace_s", self.stop_grace_s, allow_zero=True)
         if self.keep_last is not None and self.keep_last < 1:
             raise ConfigError("keep_last", self.keep_last, "must be >= 1 (or null to keep all)")
         _positive("val_every", self.val_every, allow_zero=True)

@@ -133,7 +133,8 @@ def _swept() -> list[str]:
 def _resume_command(run_dir: Path) -> str:
     """The command that continues this run from its last checkpoint: the job's overrides (a
     sweep job's included), trainer.resume=true and the run dir; the output root only when it is
-    not the one `bapo` picks here anyway."""
+    not the one `bapo` picks here anyway. Under torchrun on one node, `--nproc` with the ranks'
+    count (a checkpoint resumes with as many ranks as wrote it)."""
     from bapo_cli.config import hydra_runner
 
     root = next(
@@ -146,6 +147,9 @@ def _resume_command(run_dir: Path) -> str:
     )
     default_root = hydra_runner.normalize_overrides([])[-1].partition("=")[2]
     words = ["bapo", "train"]
+    local = os.environ.get("LOCAL_WORLD_SIZE")
+    if "RANK" in os.environ and local and local == os.environ.get("WORLD_SIZE"):
+        words += ["--nproc", local]
     words += [o for o in _job_overrides() if not o.startswith("trainer.resume=")]
     if root is not None and root != default_root:
         words.append(f"paths.output_root={root}")
@@ -164,8 +168,10 @@ def _error(line: str, code: int) -> None:
 def train_job(cfg: DictConfig) -> float:
     """Train; returns the final mean reward (the objective an Optuna sweep maximizes).
 
-    A run stopped by Ctrl-C (saved, summarised, resume command shown) raises KeyboardInterrupt
-    here, so a sweep stops too and the CLI exits 130."""
+    A run stopped by Ctrl-C, SIGTERM or SIGUSR1 (saved, summarised, resume command shown)
+    raises `Stopped` (a KeyboardInterrupt) here, so a sweep stops too and the CLI exits 128 + the
+    signal (130, 143, 138)."""
+    from bapo_cli.trainer.interrupt import Stopped
     from bapo_cli.trainer.train import TrainingError, train
 
     config = _validated(cfg)
@@ -191,7 +197,7 @@ def train_job(cfg: DictConfig) -> float:
     except TrainingError as err:
         _error(f"error: {err}", 1)
     if result.interrupted:
-        raise KeyboardInterrupt
+        raise Stopped(result.exit_code)
     tail = result.history[-max(len(result.history) // 10, 1) :]
     return sum(h["reward/mean"] for h in tail) / len(tail)
 

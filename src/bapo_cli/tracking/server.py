@@ -4,8 +4,10 @@ print the URI's credentials suppressed, and a store error cut to one masked line
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+from typing import Any
 
 from bapo_cli.tracking import redact
 
@@ -55,36 +57,42 @@ def describe_failure(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {first[:160]}" if first else type(exc).__name__
 
 
-# After SIGTERM/SIGINT is passed on, the UI's process group gets this long to exit before
-# SIGKILL (uvicorn closes its socket in well under a second when idle).
+# After a stop signal, the UI's process group gets this long to exit before SIGKILL (uvicorn
+# closes its socket in well under a second when idle).
 UI_STOP_TIMEOUT_S = 10.0
+# How often the waiting loop looks at the server and at the stop signals received.
+UI_POLL_S = 0.2
 
 
 def run_ui(uri: str, port: int, host: str = "127.0.0.1") -> int:
     """`mlflow ui` on `uri` until it exits or this process is told to stop; its exit code.
 
-    The UI runs in a process group of its own (it forks uvicorn workers) so that SIGTERM,
-    SIGINT and SIGHUP sent to `bapo ui` are passed on to all of it, and whatever way this
-    function ends, the group is stopped (SIGTERM, then SIGKILL): nothing is left listening.
+    The UI runs in a process group of its own (it forks uvicorn workers). SIGTERM, SIGINT and
+    SIGHUP sent to `bapo ui` all stop it the same way: SIGTERM to the whole group, SIGKILL to
+    what is left after `UI_STOP_TIMEOUT_S`, and `bapo ui` exits 128 + the signal it got. Not
+    passed on as they came, because uvicorn reads SIGHUP as "restart the workers" (a closed
+    terminal or ssh session would leave the server running, this process waiting on it), and
+    a SIGINT that reaches `mlflow ui` or a worker still importing prints a KeyboardInterrupt
+    traceback. The output is relayed by a thread, so no child holding the pipe can keep this
+    process from stopping the group.
+
     The URI goes in the environment (`MLFLOW_BACKEND_STORE_URI`), not the command line that
     other users can list, and the UI's output is relayed line by line, masked: MLflow's own
     error lines print the URI, credentials included."""
     import signal
     import subprocess
     import sys
+    import threading
 
     command = [sys.executable, "-m", "mlflow", "ui", "--host", host, "--port", str(port)]
     env = {**os.environ, "MLFLOW_BACKEND_STORE_URI": uri}
-    received: list[int] = []
-    started: list[subprocess.Popen] = []
+    received: list[int] = []  # the handler only appends: the main loop below acts on it
 
-    def forward(signum: int, _frame: object) -> None:
+    def note(signum: int, _frame: object) -> None:
         received.append(signum)
-        for proc in started:  # none yet: stopped as soon as it exists (below)
-            _signal_group(proc.pid, signum)
 
     stops = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
-    previous = {s: signal.signal(s, forward) for s in stops}  # before the start: no gap
+    previous = {s: signal.signal(s, note) for s in stops}  # before the start: no gap
     try:
         proc = subprocess.Popen(
             command,
@@ -100,39 +108,63 @@ def run_ui(uri: str, port: int, host: str = "127.0.0.1") -> int:
         for s, handler in previous.items():
             signal.signal(s, handler)
         raise
-    started.append(proc)
+    relay = threading.Thread(target=_relay, args=(proc.stdout,), daemon=True)
+    relay.start()
     try:
-        if received:  # a signal came while it started
-            _signal_group(proc.pid, received[0])
-        for line in proc.stdout:  # EOF once the UI (and every worker holding the pipe) exits
-            sys.stderr.write(redact.text(line))
-            sys.stderr.flush()
-        code = proc.wait()
+        while not received and proc.poll() is None:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=UI_POLL_S)
     finally:
         stop_group(proc)
+        relay.join(timeout=UI_STOP_TIMEOUT_S)  # EOF once nothing in the group holds the pipe
         for s, handler in previous.items():
             signal.signal(s, handler)
     if received:
         return 128 + received[0]  # the shell's convention for "ended by signal N"
+    code = proc.returncode
     return code if code >= 0 else 128 - code
 
 
+def _relay(stream: Any) -> None:
+    """The UI's output to stderr, masked, until EOF; a closed stderr (the terminal went away)
+    does not stop the reading, or a full pipe would block the server."""
+    import sys
+
+    for line in stream:
+        with contextlib.suppress(OSError, ValueError):
+            sys.stderr.write(redact.text(line))
+            sys.stderr.flush()
+
+
 def _signal_group(pgid: int, signum: int) -> None:
-    import contextlib
     import signal
 
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pgid, signal.Signals(signum))
 
 
-def stop_group(proc: object) -> None:
-    """SIGTERM to a child's whole process group, SIGKILL after `UI_STOP_TIMEOUT_S`; reaped."""
-    import contextlib
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def stop_group(proc: Any) -> None:
+    """SIGTERM to a child's whole process group, SIGKILL to whatever of the group is left after
+    `UI_STOP_TIMEOUT_S` (workers outlive a leader that exits at once); the leader reaped."""
     import signal
-    import subprocess
+    import time
 
     _signal_group(proc.pid, signal.SIGTERM)
-    with contextlib.suppress(subprocess.TimeoutExpired):
-        proc.wait(timeout=UI_STOP_TIMEOUT_S)
-    _signal_group(proc.pid, signal.SIGKILL)  # workers of a leader that already exited
+    deadline = time.monotonic() + UI_STOP_TIMEOUT_S
+    while time.monotonic() < deadline:
+        proc.poll()  # reap the leader: a zombie would keep the group "alive"
+        if not _group_alive(proc.pid):
+            break
+        time.sleep(UI_POLL_S)
+    _signal_group(proc.pid, signal.SIGKILL)
     proc.wait()

@@ -48,7 +48,7 @@ from bapo_cli.staleness.worker import WorkerError
 from bapo_cli.tracking import RUN_DIR_TAG, flatten, make_tracker, redact, start_failure
 from bapo_cli.tracking.backends import where_lines as tracking_where_lines
 from bapo_cli.trainer import checkpoint, distributed
-from bapo_cli.trainer.interrupt import GracefulStop
+from bapo_cli.trainer.interrupt import IDLE, ROLLOUT, UPDATE, GracefulStop, StepAbandoned
 from bapo_cli.trainer.policy import (
     MicroBatch,
     ResponseLogits,
@@ -93,7 +93,8 @@ class TrainResult:
         default_factory=list
     )  # per optimizer update (this process)
     last_batch: list[Sample] = field(default_factory=list)  # the samples of the last step
-    interrupted: bool = False  # stopped by Ctrl-C (checkpoint saved, run KILLED)
+    interrupted: bool = False  # stopped by Ctrl-C or a signal (run KILLED, resume printed)
+    exit_code: int = 0  # 128 + the signal that stopped it (130 Ctrl-C, 143 SIGTERM)
 
 
 @dataclass
@@ -123,6 +124,8 @@ class Run:
     run_id: str | None = None  # the MLflow run to continue (resume)
     val_sets: list[Any] = field(default_factory=list)
     last_ckpt: Path | None = None
+    saved_step: int | None = None  # the step of `last_ckpt` (a stop saves no step twice)
+    rest_s: float | None = None  # the previous step's time from its first update to its end
     updates: list[dict[str, float]] = field(default_factory=list)  # per optimizer update
     batch: list[Sample] = field(default_factory=list)  # the samples of the last step
 
@@ -177,57 +180,75 @@ def train(
 ) -> TrainResult:
     """Start, build, resume, track, loop, save, close.
 
-    The first Ctrl-C ends the loop after the step in progress and still saves, closes (MLflow:
-    KILLED) and prints the summary with `resume_command`; the result says `interrupted`. A second
-    Ctrl-C raises KeyboardInterrupt at once (bapo_cli.trainer.interrupt)."""
-    ctx, run_dir, console = _start(cfg, run_dir, console)
-    resume_from, saved = _find_checkpoint(cfg, run_dir, console)
-    _say_first_build(cfg, console, resume_from)
-    run = _build(cfg, ctx, run_dir, console, resume_from)
-    if resume_from is not None and saved is not None:
-        _resume(run, resume_from, saved)
-    tracker = _start_tracking(run, tags or {}, resumed=resume_from is not None, swept=swept)
-    run.val_sets = (
-        evaluate.validation_sets(cfg, grader=run.prompts.math.grade_batch)
-        if cfg.trainer.val_every and ctx.is_main
-        else []
-    )
-    if cfg.trainer.val_every and run.state.step == 0:
-        tracker.log_metrics(_validate(run), step=0)
-    status = "FAILED"
-    stop = GracefulStop(_say(console), enabled=not ctx.enabled)
-    try:
-        # async: the generation worker starts from the weights and version training resumes at
-        run.regime.start(cfg, run.model, run.state.version)
-        with stop:
-            _loop(run, tracker, stop)
-        status = "KILLED" if stop.requested else "FINISHED"
-    except KeyboardInterrupt:  # a second Ctrl-C, or one before the loop began
-        status = "KILLED"
-        raise
-    except WorkerError as err:
-        raise TrainingError(str(err)) from err
-    finally:
-        _close(run, tracker, status)
-    resume = None
-    if stop.requested:
-        resume = resume_command or (
-            f"rerun the same command with trainer.resume=true hydra.run.dir={run_dir}"
+    Ctrl-C, SIGTERM and SIGUSR1 end the loop after the step in progress (or abandon it when it
+    cannot end within `trainer.stop_grace_s`) and still save, close (MLflow: KILLED) and print the
+    summary with `resume_command`; the result says `interrupted` and the exit code. A second
+    Ctrl-C raises KeyboardInterrupt at once; a signal before the model is built raises
+    `interrupt.Stopped` (bapo_cli.trainer.interrupt)."""
+    stop = GracefulStop(_say(console or Console()), grace_s=cfg.trainer.stop_grace_s)
+    with stop:  # SETUP: a stop signal ends at once, nothing to save yet
+        ctx, run_dir, console = _start(cfg, run_dir, console)
+        stop.say = _say(console)
+        resume_from, saved = _find_checkpoint(cfg, run_dir, console)
+        _say_first_build(cfg, console, resume_from)
+        run = _build(cfg, ctx, run_dir, console, resume_from)
+        if resume_from is not None and saved is not None:
+            _resume(run, resume_from, saved)
+        stop.phase = IDLE  # from here a stop closes the run KILLED and says how to resume
+        tracker = _start_tracking(run, tags or {}, resumed=resume_from is not None, swept=swept)
+        status, clean, stopped = "FAILED", False, False
+        try:
+            run.val_sets = (
+                evaluate.validation_sets(cfg, grader=run.prompts.math.grade_batch)
+                if cfg.trainer.val_every and ctx.is_main
+                else []
+            )
+            if cfg.trainer.val_every and run.state.step == 0:
+                tracker.log_metrics(_validate(run), step=0)
+            # async: the generation worker starts from the weights and version training resumes
+            run.regime.start(cfg, run.model, run.state.version)
+            stopped = _loop(run, tracker, stop)
+            status = "KILLED" if stopped else "FINISHED"
+            clean = True  # every rank is past the last step's collectives
+        except StepAbandoned as abandoned:  # saved what could be (_abandon), or nothing
+            status, clean, stopped = "KILLED", abandoned.phase == ROLLOUT, True
+            if abandoned.phase == UPDATE:
+                newest = f"step {run.saved_step}" if run.saved_step else "none"
+                stop.say(
+                    f"{stop.reason}: abandoning step {run.state.step + 1} during its updates "
+                    f"({abandoned.why}); nothing more saved (newest checkpoint: {newest})"
+                )
+        except KeyboardInterrupt:  # a second Ctrl-C
+            status = "KILLED"
+            raise
+        except WorkerError as err:
+            raise TrainingError(str(err)) from err
+        except BaseException:
+            if stop.requested:  # under torchrun: a rank that stopped ends the others' collectives
+                status = "KILLED"
+            raise
+        finally:
+            stop.phase = IDLE
+            _close(run, tracker, status, clean=clean)
+        resume = None
+        if stopped:
+            resume = resume_command or (
+                f"rerun the same command with trainer.resume=true hydra.run.dir={run_dir}"
+            )
+        title = "bapo train: summary" + (
+            f" (stopped by {stop.reason} at step {run.state.step})" if stopped else ""
         )
-    title = "bapo train: summary" + (
-        f" (stopped by Ctrl-C at step {run.state.step})" if stop.requested else ""
-    )
-    print_summary(
-        console,
-        run.state.history,
-        run_dir,
-        cfg.tracking.uri,
-        tracker.run_id,
-        resume=resume,
-        title=title,
-        mlflow="mlflow" in cfg.tracking.backends,
-        others=tracking_where_lines(cfg.tracking, tracker.run_id, run_dir),
-    )
+        print_summary(
+            console,
+            run.state.history,
+            run_dir,
+            cfg.tracking.uri,
+            tracker.run_id,
+            resume=resume,
+            title=title,
+            mlflow="mlflow" in cfg.tracking.backends,
+            others=tracking_where_lines(cfg.tracking, tracker.run_id, run_dir),
+        )
     return TrainResult(
         run_dir,
         tracker.run_id,
@@ -235,7 +256,8 @@ def train(
         run.last_ckpt,
         run.updates,
         run.batch,
-        interrupted=stop.requested,
+        interrupted=stopped,
+        exit_code=stop.exit_code if stopped else 0,
     )
 
 
@@ -488,7 +510,10 @@ def _resume(run: Run, resume_from: Path, saved: dict[str, Any]) -> None:
     run.prompts.load_state_dict(mine["prompts"])
     run.collector.next_group = mine["next_group"]
     run.state = TrainState(**saved["state"])
+    run.saved_step = run.state.step
     run.run_id = saved.get("run_id")
+    if ctx.is_main:
+        _trim_samples(run.run_dir / "samples.jsonl", run.state.step)
     checkpoint.set_rng_state(mine["rng"])
     with ctx.gathered(run.scorer):
         run.engine.sync_weights(run.model, run.state.version)  # tokens sampled from here carry it
@@ -536,9 +561,9 @@ def _validate(run: Run) -> dict[str, float]:
         )
 
 
-def _close(run: Run, tracker: Any, status: str) -> None:
+def _close(run: Run, tracker: Any, status: str, *, clean: bool) -> None:
     """The samples file to MLflow, the run closed with `status`, engine, graders and process
-    group stopped."""
+    group stopped (`clean`: every rank is past its last collective, so they leave together)."""
     run.regime.close()  # first: an async generation worker must not outlive a failure below
     samples_file = run.run_dir / "samples.jsonl"
     if samples_file.exists() and run.ctx.is_main:
@@ -546,48 +571,88 @@ def _close(run: Run, tracker: Any, status: str) -> None:
     tracker.close(status)
     run.engine.close()
     run.prompts.close()
-    distributed.shutdown(run.ctx, clean=status == "FINISHED")
+    distributed.shutdown(run.ctx, clean=clean)
 
 
 # ----------------------------------------------------------------------------- loop, step, save
 
 
-def _loop(run: Run, tracker: Any, stop: GracefulStop) -> None:
-    """Steps until trainer.max_steps or a Ctrl-C (`stop.requested`, seen between steps): metrics
-    averaged over ranks, validation, logging and checkpoints at their intervals; the last step
-    done is always saved."""
+def _loop(run: Run, tracker: Any, stop: GracefulStop) -> bool:
+    """Steps until trainer.max_steps or a stop (Ctrl-C, SIGTERM, SIGUSR1: `stop.requested`, agreed
+    by all ranks after each step): metrics averaged over ranks, validation, logging and
+    checkpoints at their intervals; the last step done is always saved. Whether a stop ended it
+    (a signal after the last step does not). A step abandoned for want of time
+    (`StepAbandoned`) leaves the loop (`_train_step` saved what it could)."""
     cfg, state = run.cfg, run.state
     with TrainProgress(cfg.trainer.max_steps, state.step, run.console) as progress:
         stop.say = progress.note  # above the bar
-        while state.step < cfg.trainer.max_steps and not stop.requested:
-            metrics = _train_step(run)
+        stopping = _agree(run, stop)[0]  # the loop ends on the same step on every rank
+        while state.step < cfg.trainer.max_steps and not stopping:
+            stop.step_started = time.monotonic()
+            metrics = _train_step(run, stop, tracker)
+            stop.last_step_s = time.monotonic() - stop.step_started
             metrics.update(run.prompts.take_grading())  # reward/timeouts|over_budget, grade_s
             metrics = run.ctx.mean_metrics(metrics)
+            stopping = _agree(run, stop)[0]
             state.step += 1
             at_end = state.step == cfg.trainer.max_steps
-            if cfg.trainer.val_every and (at_end or state.step % cfg.trainer.val_every == 0):
+            validate = at_end or (cfg.trainer.val_every and state.step % cfg.trainer.val_every == 0)
+            # a stop with a deadline skips validation: the checkpoint does not need it
+            if cfg.trainer.val_every and validate and not (stopping and stop.deadline):
                 metrics.update(_validate(run))
             state.history.append(metrics)
-            last = at_end or stop.requested  # a Ctrl-C during this step: its end is the run's
+            last = at_end or stopping  # a stop during this step: its end is the run's
             if state.step % cfg.trainer.log_every == 0 or last:
                 tracker.log_metrics(metrics, step=state.step)
             progress.update(state.step, metrics)
             if last or (cfg.trainer.save_every and state.step % cfg.trainer.save_every == 0):
-                _save(run, tracker)
-                if stop.requested:
-                    progress.note(f"checkpoint saved: {run.last_ckpt}")
+                _save(run, tracker, say=progress.note if stopping else None)
+    return stopping
 
 
-def _train_step(run: Run) -> dict[str, float]:
+def _agree(run: Run, stop: GracefulStop, abandon: bool = False) -> tuple[bool, bool]:
+    """(a stop was asked for on some rank, some rank abandons its step): one all-reduce under
+    torchrun, so that every rank stops (or abandons) at the same step and they write one
+    checkpoint together, whichever ranks the signal reached. A rank that got none takes the
+    signal of the one that did (its exit code)."""
+    mine = [float(stop.signum or 0) if stop.requested else 0.0, float(abandon)]
+    signum, anyone = run.ctx.max(mine) if run.ctx.enabled else mine
+    if signum and not stop.requested:
+        stop.request(int(signum))
+        stop.say(f"{stop.reason} on another rank: stopping after this step")
+    return bool(signum), bool(anyone)
+
+
+def _train_step(run: Run, stop: GracefulStop, tracker: Any) -> dict[str, float]:
     """Rollouts → rewards → advantages → updates → weight sync; returns the step's metrics and
-    keeps the per-update metrics (`run.updates`) and the samples trained on (`run.batch`)."""
+    keeps the per-update metrics (`run.updates`) and the samples trained on (`run.batch`).
+
+    Under a stop with a deadline the step may be abandoned (bapo_cli.trainer.interrupt): while
+    it generates, or before its first update when the previous step's remainder would not fit
+    (`_abandon` then saves the last completed step), or during its updates (nothing saved)."""
     t0 = time.perf_counter()
+    snapshot = _snapshot(run)
     tokens_before = run.collector.generated_tokens
-    with run.ctx.gathered(run.scorer):  # FSDP2: full weights for generation and behaviour scoring
-        batch = run.regime.next_batch()
-    rollout_s = time.perf_counter() - t0
-    new_tokens = run.collector.generated_tokens - tokens_before
-    adv_stats = _advantages(run.cfg, batch)
+    abandoned: StepAbandoned | None = None
+    try:
+        stop.phase = ROLLOUT  # inside the try: an abandonment raised from here on is caught
+        with run.ctx.gathered(run.scorer):  # FSDP2: full weights for generation and scoring
+            batch = run.regime.next_batch()
+        rollout_s = time.perf_counter() - t0
+        new_tokens = run.collector.generated_tokens - tokens_before
+        adv_stats = _advantages(run.cfg, batch)
+        stop.phase = IDLE  # the point of no return: the updates change the weights
+    except StepAbandoned as err:
+        stop.phase = IDLE
+        abandoned = err
+    if abandoned is None and run.rest_s is not None and stop.would_overrun(run.rest_s):
+        why = f"its updates took {run.rest_s:.0f} s last step: they would not end in time"
+        abandoned = StepAbandoned(ROLLOUT, why)
+    if abandoned is None and stop.expired:  # the grace ran out just as the rollout ended
+        abandoned = StepAbandoned(ROLLOUT, f"the {stop.grace_s:g} s grace ran out")
+    if _agree(run, stop, abandon=abandoned is not None)[1]:
+        _abandon(run, tracker, stop, snapshot, abandoned)
+    stop.phase = UPDATE
     t1 = time.perf_counter()
     update_metrics, trained_tokens, layout = _optimize(run, batch)
     train_s = time.perf_counter() - t1
@@ -597,7 +662,9 @@ def _train_step(run: Run) -> dict[str, float]:
         t2 = time.perf_counter()
         run.regime.publish(policy, run.state.version)  # async: into the worker's shared memory
         sync_s += time.perf_counter() - t2
+    stop.phase = IDLE
     step_s = time.perf_counter() - t0
+    run.rest_s = step_s - rollout_s
     if run.ctx.is_main:
         samples_file = run.run_dir / "samples.jsonl"
         _write_samples(samples_file, run.state.step + 1, batch, run.cfg.trainer.log_samples)
@@ -746,12 +813,14 @@ def _prepare(
     return masked
 
 
-def _save(run: Run, tracker: Any) -> None:
-    """A checkpoint: every rank's state gathered, weights and optimizer state in full (FSDP2
-    gathers them on all ranks), written by rank 0."""
+def _save(run: Run, tracker: Any, *, ranks: dict[str, Any] | None = None, say: Any = None) -> None:
+    """A checkpoint: every rank's state gathered (`ranks`: this rank's, taken earlier; default
+    now), weights and optimizer state in full (FSDP2 gathers them on all ranks), written by rank
+    0. `say`: a line that names it and how long it took (a stop: the kill wait must fit it)."""
     ctx = run.ctx
+    t0 = time.monotonic()
     tracker.flush()
-    ranks = ctx.gather(run.rank_state())
+    ranks = ctx.gather(run.rank_state() if ranks is None else ranks)
     weights, optim_state = ctx.full_state(run.model, run.optimizer)  # all ranks (FSDP2)
     if ctx.is_main:
         try:
@@ -774,6 +843,45 @@ def _save(run: Run, tracker: Any) -> None:
         except checkpoint.DiskFullError as err:
             raise TrainingError(str(err)) from None
     ctx.barrier()
+    run.saved_step = run.state.step
+    if say is not None:
+        say(f"checkpoint saved in {time.monotonic() - t0:.1f} s: {run.last_ckpt}")
+
+
+def _snapshot(run: Run) -> dict[str, Any] | None:
+    """This rank's state at the start of a step (data position, RNG, next group), to save the
+    last completed step if this one is abandoned before its updates. None for a regime that
+    keeps buffers of samples (replay, lag, partial, async): copying them every step would cost
+    more than the stop they serve; such a step, abandoned, saves nothing."""
+    if type(run.regime).state_dict is not Regime.state_dict:
+        return None
+    return copy.deepcopy(run.rank_state())
+
+
+def _abandon(
+    run: Run,
+    tracker: Any,
+    stop: GracefulStop,
+    snapshot: dict[str, Any] | None,
+    abandoned: StepAbandoned | None,
+) -> None:
+    """Give up the step before its updates (every rank at once): the weights, optimizer and
+    counters are still the last completed step's, and `snapshot` holds the rest of its state,
+    so that step is saved unless it already is. Raises StepAbandoned to leave the loop."""
+    why = abandoned.why if abandoned is not None else "another rank abandoned it"
+    done = run.state.step
+    if done == 0 or run.saved_step == done or snapshot is None:
+        kept = "nothing to save yet" if done == 0 else f"step {done} is saved already"
+        if done and run.saved_step != done:
+            newest = f"step {run.saved_step}" if run.saved_step else "none"
+            kept = f"this regime's buffers are not kept per step (newest checkpoint: {newest})"
+        stop.say(f"{stop.reason}: abandoning step {done + 1} ({why}); {kept}")
+        raise StepAbandoned(ROLLOUT, why)
+    stop.say(f"{stop.reason}: abandoning step {done + 1} ({why}); saving step {done}")
+    if done % run.cfg.trainer.log_every:  # its metrics were not logged yet
+        tracker.log_metrics(run.state.history[-1], step=done)
+    _save(run, tracker, ranks=snapshot, say=stop.say)
+    raise StepAbandoned(ROLLOUT, why)
 
 
 @torch.no_grad()
@@ -890,6 +998,28 @@ def _step_metrics(
         if key.startswith("quadrant_"):
             out[f"tokens/{key}"] = sum(u[key] for u in updates) / len(updates)
     return out
+
+
+def _trim_samples(path: Path, step: int) -> None:
+    """On resume: drop the rows of steps after the checkpoint's (written by steps a stop or a
+    crash left unsaved), so that the resumed run writes each step's samples once."""
+    if not path.exists():
+        return
+    with path.open(encoding="utf-8") as f:
+        lines = f.readlines()
+    kept = [line for line in lines if _sample_step(line) <= step]
+    if len(kept) == len(lines):
+        return
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(kept), encoding="utf-8")
+    tmp.replace(path)
+
+
+def _sample_step(line: str) -> int:
+    try:
+        return int(json.loads(line)["step"])
+    except (ValueError, KeyError, TypeError):
+        return 0  # not a row of ours: kept
 
 
 def _write_samples(path: Path, step: int, batch: list[Sample], count: int) -> None:

@@ -1,0 +1,124 @@
+"""`bapo ui` stops all of its MLflow server on SIGHUP and SIGINT too (issue 33, item 9).
+
+A closed terminal or ssh session sends SIGHUP: passed on as it came, uvicorn read it as "restart
+the workers", so `bapo ui` hung and the server kept listening. SIGINT reached the server's
+processes as a KeyboardInterrupt: a traceback on the console. (SIGTERM:
+tests/faults/test_store_commands.py.) Both UIs start at once: one start-up wait for the two.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import psutil
+import pytest
+
+from tests.faults.conftest import free_port
+
+pytestmark = pytest.mark.slow
+
+START_TIMEOUT_S = 300  # two MLflow servers starting together on a busy 2-core machine
+
+
+def _answers(port: int) -> bool:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
+            return r.status == 200
+    except OSError:
+        return False
+
+
+def _listening(port: int) -> bool:
+    import socket
+
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+class Ui:
+    def __init__(self, tmp_path: Path, name: str) -> None:
+        self.port = free_port()
+        self.err = tmp_path / f"{name}.err"
+        self.started: list[psutil.Process] = []
+        env = {**os.environ, "COLUMNS": "200"}
+        with self.err.open("w") as err:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "bapo_cli", "ui", "--uri", f"sqlite:///{tmp_path}/{name}.db"]
+                + ["--port", str(self.port)],
+                stdout=subprocess.DEVNULL,
+                stderr=err,
+                env=env,
+                start_new_session=True,  # so that cleanup can reach everything it started
+            )
+
+    def children(self) -> list[psutil.Process]:
+        return psutil.Process(self.proc.pid).children(recursive=True)
+
+    def cleanup(self) -> None:
+        for sig in (signal.SIGTERM, signal.SIGKILL):  # whatever a failed run left
+            try:
+                os.killpg(self.proc.pid, sig)
+            except ProcessLookupError:
+                break
+            time.sleep(1)
+        if self.started:  # the server's own process group (`mlflow ui` leads it)
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.started[0].pid, signal.SIGKILL)
+
+
+def _left(procs: list[psutil.Process]) -> list[psutil.Process]:
+    _, alive = psutil.wait_procs(procs, timeout=30)
+    out = []
+    for p in alive:
+        try:
+            if p.status() != psutil.STATUS_ZOMBIE:  # a zombie listens to nothing
+                out.append(p)
+        except psutil.NoSuchProcess:
+            pass
+    return out
+
+
+def test_bapo_ui_stops_its_whole_server_on_sighup_and_sigint_without_a_traceback(
+    tmp_path: Path,
+) -> None:
+    uis = {signal.SIGHUP: Ui(tmp_path, "hup"), signal.SIGINT: Ui(tmp_path, "int")}
+    try:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while not all(_answers(ui.port) for ui in uis.values()):
+            for ui in uis.values():
+                assert ui.proc.poll() is None, ui.err.read_text()[-3000:]
+            assert time.monotonic() < deadline, "the UIs did not start their servers"
+            time.sleep(0.5)
+        for ui in uis.values():
+            ui.started = ui.children()
+            assert len(ui.started) >= 2  # `mlflow ui`, its uvicorn and uvicorn's workers
+        for sig, ui in uis.items():
+            ui.proc.send_signal(sig)
+        for sig, ui in uis.items():
+            code = ui.proc.wait(timeout=60)  # SIGHUP before: uvicorn restarted, bapo ui waited
+            assert code == 128 + sig, (sig, code)
+            assert _left(ui.started) == [], sig
+            assert not _listening(ui.port), sig
+            pgid = ui.started[0].pid  # the server's own process group: nothing left in it
+            alive = [p for p in psutil.process_iter(["pid"]) if _pgid(p.pid) == pgid]
+            assert _left(alive) == [], sig
+        err = uis[signal.SIGINT].err.read_text()
+        assert "Traceback" not in err and "KeyboardInterrupt" not in err, err[-3000:]
+        assert "Traceback" not in uis[signal.SIGHUP].err.read_text()
+    finally:
+        for ui in uis.values():
+            ui.cleanup()
+
+
+def _pgid(pid: int) -> int | None:
+    try:
+        return os.getpgid(pid)
+    except (ProcessLookupError, PermissionError):
+        return None

@@ -1,0 +1,100 @@
+"""Stop signals under torchrun: two real gloo ranks on loopback (`bapo train --nproc 2`).
+
+A signal may reach one rank (a `kill` of one process) or all of them (SLURM signals every
+process of a job step; torchrun's agent passes what it gets on to every rank): either way all
+ranks stop at the same step and write one checkpoint together (they agree by an all-reduce
+after each step), rank 0 closes the MLflow run KILLED and prints the resume command, which
+names `--nproc 2` (a checkpoint resumes with as many ranks as wrote it). `bapo train --nproc`
+passes SIGUSR1 (SLURM's `--signal=USR1@N`) on through torchrun's agent, whose default would have
+let it end the agent and orphan the ranks, and exits 138 without a traceback.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+import signal
+import time
+from collections import Counter
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+
+from bapo_cli.trainer import checkpoint
+from tests.train.test_ctrl_c import TRACKED, Bapo, _runs
+
+pytestmark = pytest.mark.slow
+
+STEPS = "trainer.max_steps=20"  # a status line after every step
+
+
+def _ranks(launcher: int, timeout_s: float = 60) -> dict[int, psutil.Process]:
+    """The training processes under `launcher` (bapo → torchrun's agent → ranks), by rank."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        found = {}
+        for proc in psutil.Process(launcher).children(recursive=True):
+            try:
+                env = proc.environ()
+                if "bapo_cli" in proc.cmdline() and "RANK" in env:
+                    found[int(env["RANK"])] = proc
+            except (psutil.NoSuchProcess, psutil.AccessDenied):
+                continue
+        if len(found) == 2 or time.monotonic() > deadline:
+            return found
+        time.sleep(0.2)
+
+
+def _checkpoint(run_dir: Path) -> dict:
+    return checkpoint.latest_usable(run_dir / "checkpoints", print)[1]
+
+
+def _samples(run_dir: Path) -> Counter:
+    lines = (run_dir / "samples.jsonl").read_text().splitlines()
+    return Counter(json.loads(line)["step"] for line in lines)
+
+
+def test_all_ranks_stop_at_one_step_whichever_rank_the_signal_reaches(
+    _output_root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    bapo = Bapo("train", "--nproc", "2", *TRACKED, STEPS, cwd=tmp_path)
+    bapo.wait_for("step 2/", timeout_s=300)
+    ranks = _ranks(bapo.proc.pid)
+    assert sorted(ranks) == [0, 1]
+    ranks[1].send_signal(signal.SIGTERM)  # rank 1 only: rank 0 learns it from the all-reduce
+    assert bapo.finish(180) != 0, bapo.output()  # the ranks exit 143: torchrun reports it
+    out = bapo.output()
+    assert "SIGTERM on another rank: stopping after this step" in out
+    (run_dir,) = (_output_root / "runs").glob("*/*")
+    saved = _checkpoint(run_dir)
+    step = saved["state"]["step"]
+    assert step >= 3 and len(saved["ranks"]) == 2  # one checkpoint, both ranks' states in it
+    assert f"(stopped by SIGTERM at step {step})" in out
+    assert saved["ranks"][0]["prompts"] == saved["ranks"][1]["prompts"]  # the same position
+    (run,) = _runs(_output_root)
+    assert run.info.status == "KILLED"
+    words = shlex.split(bapo.line("resume: ").removeprefix("resume: "))
+    assert words[:4] == ["bapo", "train", "--nproc", "2"]
+    assert words[-2:] == ["trainer.resume=true", f"hydra.run.dir={run_dir}"]
+
+    # the printed command resumes both ranks; SIGUSR1 to it (as `scancel --signal=USR1
+    # --batch` or a trap would send) reaches the ranks through torchrun's agent
+    again = Bapo(*words[1:], cwd=tmp_path)
+    again.wait_for(f"step {step + 2}/", timeout_s=300)
+    again.proc.send_signal(signal.SIGUSR1)
+    assert again.finish(180) == 128 + signal.SIGUSR1, again.output()
+    out = again.output()
+    assert "resumed from" in out and f"at step {step}" in out
+    assert "Traceback" not in out and "SignalException" not in out
+    saved = _checkpoint(run_dir)
+    last = saved["state"]["step"]
+    assert last >= step + 3 and len(saved["ranks"]) == 2
+    assert f"(stopped by SIGUSR1 at step {last})" in out
+    assert _samples(run_dir) == {s: 4 for s in range(1, last + 1)}  # each step once
+    (run,) = _runs(_output_root)  # the same MLflow run, closed KILLED again
+    assert run.info.status == "KILLED"
+    rng = [r["rng"]["torch"] for r in saved["ranks"]]
+    assert not torch.equal(rng[0], rng[1])  # each rank's own state, not one copied

@@ -1,0 +1,136 @@
+"""GracefulStop on real signals to this process: what each stop signal does in each phase of a
+step, and the grace of SIGTERM/SIGUSR1 enforced by a real SIGALRM (bapo_cli.trainer.interrupt).
+The trainer around it: test_sigterm.py (one process) and test_sigterm_torchrun.py (two ranks)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+
+from bapo_cli.trainer import interrupt
+from bapo_cli.trainer.interrupt import (
+    IDLE,
+    ROLLOUT,
+    SETUP,
+    UPDATE,
+    GracefulStop,
+    StepAbandoned,
+    Stopped,
+)
+
+
+def _send(signum: int) -> None:
+    """A real signal to this process; its Python handler runs before this returns."""
+    os.kill(os.getpid(), signum)
+    time.sleep(0.01)
+
+
+def _wait(seconds: float) -> None:
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        time.sleep(0.01)
+
+
+@pytest.fixture
+def said() -> list[str]:
+    return []
+
+
+def test_sigterm_between_steps_asks_for_a_stop_with_a_deadline_and_exit_143(said) -> None:
+    with GracefulStop(said.append, grace_s=0.3) as stop:
+        stop.phase = IDLE
+        _send(signal.SIGTERM)
+        assert stop.requested and stop.signum == signal.SIGTERM
+        assert stop.exit_code == 143 and stop.reason == "SIGTERM"
+        assert said == [
+            "SIGTERM: finishing this step within 0.3 s (trainer.stop_grace_s), then saving a "
+            "checkpoint"
+        ]
+        assert stop.would_overrun(1.0) and not stop.would_overrun(0.0)
+        _send(signal.SIGTERM)  # SLURM and torchrun's agent may both deliver one: no change
+        _send(signal.SIGUSR1)
+        assert stop.signum == signal.SIGTERM and len(said) == 1
+        _wait(0.5)  # the grace runs out between steps: nothing is interrupted
+        assert stop.expired
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # restored
+    assert signal.getsignal(signal.SIGALRM) is signal.SIG_DFL
+    assert signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0)
+
+
+@pytest.mark.parametrize("phase", [ROLLOUT, UPDATE])
+def test_a_step_still_running_when_the_grace_runs_out_is_abandoned_where_it_is(said, phase) -> None:
+    with GracefulStop(said.append, grace_s=0.2) as stop:
+        stop.phase = phase
+        t0 = time.monotonic()
+        with pytest.raises(StepAbandoned) as caught:
+            _send(signal.SIGUSR1)
+            _wait(5)
+        assert 0.15 < time.monotonic() - t0 < 2
+        assert caught.value.phase == phase and "0.2 s grace ran out" in caught.value.why
+        assert stop.exit_code == 128 + signal.SIGUSR1
+
+
+def test_a_step_that_cannot_end_within_the_grace_is_abandoned_at_the_signal(said) -> None:
+    with GracefulStop(said.append, grace_s=2) as stop:
+        stop.phase = ROLLOUT
+        stop.step_started, stop.last_step_s = time.monotonic(), 10.0  # the last step took 10 s
+        with pytest.raises(StepAbandoned) as caught:
+            _send(signal.SIGTERM)
+        assert caught.value.phase == ROLLOUT and "previous step took 10 s" in caught.value.why
+    with GracefulStop(said.append, grace_s=2) as stop:  # one that fits: finished
+        stop.phase = ROLLOUT
+        stop.step_started, stop.last_step_s = time.monotonic(), 0.5
+        _send(signal.SIGTERM)
+        assert stop.requested and not stop.expired
+
+
+def test_ctrl_c_has_no_deadline_and_a_second_one_stops_at_once(said) -> None:
+    with GracefulStop(said.append, grace_s=0.1) as stop:
+        stop.phase = ROLLOUT
+        _send(signal.SIGINT)
+        assert stop.requested and stop.exit_code == 130 and stop.deadline is None
+        _wait(0.3)  # no grace: a person decides
+        with pytest.raises(KeyboardInterrupt):
+            _send(signal.SIGINT)
+    assert said == [interrupt.FIRST, interrupt.SECOND]
+    with GracefulStop(said.append, grace_s=5) as stop:  # Ctrl-C after SIGTERM: at once too
+        stop.phase = UPDATE
+        _send(signal.SIGTERM)
+        with pytest.raises(KeyboardInterrupt):
+            _send(signal.SIGINT)
+    assert signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0)
+
+
+def test_before_training_begins_a_signal_stops_at_once_with_its_code(said) -> None:
+    for signum, code in ((signal.SIGTERM, 143), (signal.SIGUSR1, 138)):
+        with GracefulStop(said.append, grace_s=20) as stop:
+            assert stop.phase == SETUP
+            with pytest.raises(Stopped) as caught:
+                _send(signum)
+            assert caught.value.code == code
+            assert isinstance(caught.value, KeyboardInterrupt)  # a sweep stops too
+    assert said[-1] == "SIGUSR1: stopping before training began (nothing to save)"
+
+
+def test_grace_0_finishes_the_step_however_long(said) -> None:
+    with GracefulStop(said.append, grace_s=0) as stop:
+        stop.phase = UPDATE
+        _send(signal.SIGTERM)
+        _wait(0.2)
+        assert stop.requested and stop.deadline is None and not stop.expired
+    assert said == ["SIGTERM: finishing this step, then saving a checkpoint"]
+
+
+def test_a_handler_someone_else_installed_is_kept(said) -> None:
+    seen: list[int] = []
+    previous = signal.signal(signal.SIGTERM, lambda s, f: seen.append(s))
+    try:
+        with GracefulStop(said.append, grace_s=1) as stop:
+            stop.phase = IDLE
+            _send(signal.SIGTERM)
+            assert not stop.requested and seen == [signal.SIGTERM]
+    finally:
+        signal.signal(signal.SIGTERM, previous)
