@@ -24,7 +24,7 @@ from bapo_cli.trainer.policy import collate, record_behaviour, token_logprobs
 def train_cfg() -> Any:
     from bapo_cli.models import tiny
 
-    cfg = preflight("train", ["rollout=vllm"]).config
+    cfg = preflight("train", ["rollout=vllm"]).config  # config only: the engine fixture skips
     tiny.ensure_tiny(cfg.model.tiny, progress=False)
     return cfg
 

@@ -18,6 +18,7 @@ from bapo_cli.rollout.collect import Collector
 from tests.rollout.conftest import perturb_embedding, score_with, trainer_logprobs
 
 pytestmark = pytest.mark.slow
+pytest.importorskip("vllm")  # every test here runs vLLM or its engine module
 
 # float32 on CPU: vLLM's kernels vs the trainer's forward, same weights (measured max ~5e-6)
 LOGPROB_TOL = 1e-4

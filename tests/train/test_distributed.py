@@ -321,6 +321,7 @@ def test_vllm_engine_per_rank_gets_the_trained_weights(tmp_path: Path, strategy)
     """Each rank runs its own colocated vLLM engine; after every update the full weights (FSDP2:
     gathered from the shards) reach it: its log-probs of the tokens it sampled stay equal to the
     trainer's. Stale weights put them ~0.04 apart on average (tests/rollout)."""
+    pytest.importorskip("vllm")
     run_dir = tmp_path / "run"
     result = run_bapo(
         "train",
