@@ -33,8 +33,8 @@ def _error(*overrides: str) -> str:
 
 def test_config_rules() -> None:
     assert _error("algo.behav_weight_cap=2") == (
-        "algo.behav_weight_cap=2.0: needs trainer.old_logprob=recompute (the proximal policy it "
-        "divides by)"
+        "algo.behav_weight_cap=2.0: needs trainer.old_logprob=recompute or loglinear (the "
+        "proximal policy it divides by)"
     )
     assert _error("algo.behav_weight_cap=0.5", "trainer.old_logprob=recompute") == (
         "algo.behav_weight_cap=0.5: must be >= 1 (or null to disable)"

@@ -31,7 +31,6 @@ from bapo_cli.algos.core import (
     Tokens,
     _check_agg,
     _check_dual_clip,
-    check_eps,
     prepare_tokens,
     surrogate_dropping,
     surrogate_metrics,
@@ -69,7 +68,11 @@ class ClipCovParams:
     )
     cov_lb: float = param(1.0, "lower bound of the covariance of a token that may be detached")
     cov_ub: float = param(5.0, "upper bound of the covariance of a token that may be detached")
-    eps_low: float = param(0.2, "ratio clip: c_low = 1 - eps_low (verl's clip_ratio 0.2)")
+    eps_low: float = param(
+        0.2,
+        "ratio clip: c_low = 1 - eps_low, within (0, 1]; 1 = no lower bound, the recipe's "
+        "clip [0, 2] with eps_high 1 (verl's clip_ratio 0.2)",
+    )
     eps_high: float = param(0.2, "ratio clip: c_high = 1 + eps_high (verl's clip_ratio 0.2)")
 
     def __post_init__(self) -> None:
@@ -80,7 +83,12 @@ class ClipCovParams:
         lb, ub = number("cov_lb", self.cov_lb), number("cov_ub", self.cov_ub)
         if not (math.isfinite(lb) and math.isfinite(ub) and lb < ub):
             raise ParamError("cov_ub", self.cov_ub, f"must be finite and > cov_lb ({self.cov_lb})")
-        check_eps(self.eps_low, self.eps_high)
+        # eps_low = 1 (c_low = 0) is allowed here: the Entropy-Mechanism recipe's ratio clip is
+        # [0, 2]; a ratio is never below 0, so no negative token is clipped low
+        if not 0.0 < number("eps_low", self.eps_low) <= 1.0:
+            raise ParamError("eps_low", self.eps_low, "must be within (0, 1]")
+        if not 0.0 < number("eps_high", self.eps_high) < math.inf:
+            raise ParamError("eps_high", self.eps_high, "must be a finite number > 0")
 
     def describe(self) -> str:
         return (
