@@ -341,3 +341,22 @@ def test_every_new_loss_reports_the_shared_metrics():
     for name in ("minpro", "prime_default", "vcpo"):
         _, _, m = loss_and_grad(name, log_prob, old, adv, mask)
         assert set(m) == LOSS_METRICS, name
+
+
+def test_no_loss_parameter_shadows_a_shared_algo_option():
+    """A loss's params field named like a shared `algo` option is one config key for two things:
+    KL-Cov's `kl_coef` (its |log r| weight, 1) also switched on algo.kl_coef, the k3 KL to the
+    initial policy, at 1, in every kl_cov run (issue 34). Its field is `kl_cov_coef` now."""
+    import dataclasses
+
+    from bapo_cli.algos import losses
+    from bapo_cli.config.preflight import preflight
+    from bapo_cli.config.schema import AlgoConfig
+    from bapo_cli.trainer.update import loss_spec
+
+    shared = {f.name for f in dataclasses.fields(AlgoConfig)}
+    for name in losses.REGISTRY.names():
+        own = {f.name for f in dataclasses.fields(losses.REGISTRY.get(name).params)}
+        assert not own & shared, (name, own & shared)
+    spec = loss_spec(preflight("train", ["algo=kl_cov"]).config.algo)
+    assert spec.kl_coef == 0.0 and spec.params["kl_cov_coef"] == 1.0

@@ -328,7 +328,7 @@ def verl_kl_cov(log_prob, old_log_prob, advantages, response_mask, *, kl_cov_rat
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("agg", AGGREGATIONS)
 def test_kl_cov_matches_verl(agg, kind):
-    params = {"kl_cov_ratio": 0.1, "kl_coef": 0.7}
+    params = {"kl_cov_ratio": 0.1, "kl_cov_coef": 0.7}
 
     def ref(*args):
         return verl_kl_cov(*args, kl_cov_ratio=0.1, coef=0.7, agg=agg)
@@ -342,7 +342,7 @@ def test_kl_cov_matches_verl(agg, kind):
 
 def test_kl_cov_without_penalty_is_the_unclipped_policy_gradient():
     log_prob, old, adv, mask = rival_batch(62, stale=1.0)
-    _, grad, _ = loss_and_grad("kl_cov", log_prob, old, adv, mask, kl_coef=0.0)
+    _, grad, _ = loss_and_grad("kl_cov", log_prob, old, adv, mask, kl_cov_coef=0.0)
     a = adv[:, None].expand_as(mask)
     want = torch.where(mask, -a * torch.exp(log_prob - old), 0.0) / mask.sum()
     torch.testing.assert_close(grad, want, rtol=1e-12, atol=0)
@@ -446,7 +446,7 @@ BAD = [
     ("clip_cov", {"clip_ratio": 2.0}, "clip_ratio"),
     ("clip_cov", {"cov_lb": 5.0, "cov_ub": 1.0}, "cov_ub"),
     ("kl_cov", {"kl_cov_ratio": 0.0}, "kl_cov_ratio"),
-    ("kl_cov", {"kl_coef": math.inf}, "kl_coef"),
+    ("kl_cov", {"kl_cov_coef": math.inf}, "kl_cov_coef"),
     ("ce_gppo", {"beta1": -0.1}, "beta1"),
 ]
 
