@@ -12,9 +12,10 @@ Per loss call (AReaL: per micro-batch given to the loss), over the valid tokens:
 
 The kept tokens get the policy gradient loss -r_t A_t: the paper's objective (as AReaL's docs
 print it, sum_t M_t r_t A_t) has no ratio clip; `eps_low` / `eps_high` add one (AReaL hands its
-`eps_clip` to the same PPO loss; its M2PO example sets eps_clip 0.0). Masked tokens leave the loss
-and its token count, as AReaL's code takes them out of the loss mask (its docs' formula divides
-by all tokens instead).
+`eps_clip` to the same PPO loss; its M2PO example sets eps_clip 0.0, a zero-width clip of
+pi_theta / pi_prox, which is 1 at the example's one update per batch: no clip). Masked tokens
+leave the loss and its token count, as AReaL's code takes them out of the loss mask (its docs'
+formula divides by all tokens instead).
 Which two policies m2 compares, as AReaL: its decoupled loss (`use_decoupled_loss`, the M2PO
 example's setting) takes m2 = (log pi_behav - log pi_prox)^2, the behaviour policy against the
 proximal one (the weights at the start of the training step). Under
