@@ -111,6 +111,10 @@ def test_config_rules() -> None:
         "token: turn that off, or use algo.baseline=none"
     )
     preflight("train", ["algo=vcpo", "rollout.tis_cap=2", "algo.baseline=none"])
+    assert _error("algo=vcpo", "trainer.strategy=fsdp2") == (
+        "algo.baseline=opob: takes one gradient per sequence of whole (unsharded) weights: use "
+        "trainer.strategy=ddp, or algo.baseline=none"
+    )
     preflight("train", ["algo=grpo", "trainer.old_logprob=loglinear", "algo.behav_weight_cap=5"])
     preflight("train", ["algo=clip_cov", "algo.eps_low=1", "algo.eps_high=1"])
     assert "rollout.tis_mode=both: must be one of truncate, mask, mask_two_sided" in _error(

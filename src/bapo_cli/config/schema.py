@@ -849,6 +849,13 @@ def _check_offpolicy_losses(cfg: TrainConfig) -> None:
             f"re-centres per-sequence advantages; {', '.join(per_token)} makes them per token: "
             "turn that off, or use algo.baseline=none",
         )
+    if getattr(cfg.algo, "baseline", None) == "opob" and cfg.trainer.strategy == "fsdp2":
+        raise ConfigError(
+            "algo.baseline",
+            "opob",
+            "takes one gradient per sequence of whole (unsharded) weights: use "
+            "trainer.strategy=ddp, or algo.baseline=none",
+        )
 
 
 @dataclass

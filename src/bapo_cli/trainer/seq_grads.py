@@ -42,10 +42,8 @@ def score_grad_sq_norms(
         seq = torch.where(mb.mask[i], logp[i], 0.0).sum()
         grads = torch.autograd.grad(seq, params, retain_graph=n < len(rows) - 1, allow_unused=True)
         total = torch.zeros((), dtype=torch.float64, device=logp.device)
-        for g in grads:
+        for g in grads:  # whole weights: the config refuses opob with FSDP2's sharded ones
             if g is not None:
-                full = getattr(g, "full_tensor", None)  # FSDP2: a sharded DTensor gradient
-                g = full() if full is not None else g
                 total = total + g.detach().double().square().sum()
         out[i] = float(total)
     return out, logp.detach()
