@@ -63,6 +63,43 @@ def test_opsm_keeps_what_trl_keeps(seed, kind):
         assert not bool(keep.all())
 
 
+def masked_tis_case(seed):
+    """A stale batch whose per-sequence advantages went through masked TIS
+    (`rollout.tis_mode=mask`): per-token weights, 0 where a token's weight is over the cap."""
+    log_prob, old, adv, mask = rival_batch(seed, stale=0.5)
+    g = torch.Generator().manual_seed(1000 + seed)
+    weight = torch.exp(torch.randn(mask.shape, generator=g, dtype=adv.dtype) * 0.6)
+    weight = torch.where(weight <= 1.5, weight, 0.0)  # MIS: over the cap -> 0
+    weight = torch.where(mask, weight, 1.0)
+    return log_prob, old, adv, mask, adv[:, None] * weight
+
+
+def test_opsm_after_masked_tis_is_trls_rule_per_token():
+    """Issue 34, fix 1: with per-token (TIS-weighted) advantages, the sign comes per token (TRL's
+    get_off_policy_mask on per-token advantages), which is the sequence's sign before weighting
+    on every token with a weight. The old rule read the first valid token's weighted advantage:
+    when that token's weight was 0 a negative far-off-policy sequence escaped."""
+    escaped = 0
+    for seed in range(200):
+        log_prob, old, adv, mask, weighted = masked_tis_case(seed)
+        log_ratio = torch.where(mask, old - log_prob, 0.0)
+        got, keep = correction.mask_sequences("opsm", 0.1, weighted, mask, log_ratio)
+        trl = trl_off_policy_mask(weighted, log_prob, old, mask.double(), 0.1).bool()
+        assert torch.equal(got, torch.where(trl, weighted, 0.0)), seed
+        # the same as deciding from the advantage before weighting
+        before = trl_off_policy_mask(adv[:, None], log_prob, old, mask.double(), 0.1).bool()
+        assert torch.equal(got, torch.where(before, weighted, 0.0)), seed
+        # a sequence counts as masked when the rule dropped a token of it (one whose masked TIS
+        # weights are all 0 had nothing left to drop)
+        assert torch.equal(keep, ~(~trl & mask).any(-1)), seed
+        # how many cases the first-valid-token rule got wrong (the cases this test is about)
+        first = mask.to(torch.int64).argmax(-1)
+        first_adv = weighted.gather(-1, first[:, None])[:, 0]
+        old_rule = ~((first_adv < 0) & (log_ratio.sum(-1) / mask.sum(-1).clamp(min=1) > 0.1))
+        escaped += int((old_rule & ~before[:, 0] & mask.any(-1)).sum())
+    assert escaped > 0  # the random cases include sequences the old rule let through
+
+
 def test_mask_sequences_zeroes_whole_sequences_in_either_advantage_shape():
     log_prob, old, adv, mask = rival_batch(3, "all_negative", stale=0.5)
     log_ratio = torch.where(mask, old - log_prob, 0.0)

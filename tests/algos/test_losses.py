@@ -99,6 +99,9 @@ PARAMS = {
     "clip_cov": {"clip_ratio": 0.05, "cov_lb": 0.05, "cov_ub": 5.0},
     "kl_cov": {"kl_cov_ratio": 0.05},
     "ce_gppo": {"beta1": 0.5, "beta2": 1.0},
+    "minpro": {"eps_low": 0.2, "eps_high": 0.25},
+    "prime_default": {"delta_low": 0.15, "delta_high": 0.2, "kl_tau": 0.01},
+    "vcpo": {"is_cap": 3.0, "agg": "token-mean"},
 }
 # losses whose token selection is made per loss call over that call's tokens, as their
 # references do (M2PO's second moment, Clip-Cov's and KL-Cov's covariance): split into
@@ -414,8 +417,11 @@ def test_registry_names_and_errors():
         "gspo",
         "kl_cov",
         "m2po",
+        "minpro",
         "ppo",
+        "prime_default",
         "sapo",
+        "vcpo",
     ]
     assert losses.REGISTRY.names() == names
     with pytest.raises(ValueError, match=r"unknown loss 'foo'; valid: " + ", ".join(names)):

@@ -328,7 +328,7 @@ def verl_kl_cov(log_prob, old_log_prob, advantages, response_mask, *, kl_cov_rat
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("agg", AGGREGATIONS)
 def test_kl_cov_matches_verl(agg, kind):
-    params = {"kl_cov_ratio": 0.1, "kl_coef": 0.7}
+    params = {"kl_cov_ratio": 0.1, "kl_cov_coef": 0.7}
 
     def ref(*args):
         return verl_kl_cov(*args, kl_cov_ratio=0.1, coef=0.7, agg=agg)
@@ -342,7 +342,7 @@ def test_kl_cov_matches_verl(agg, kind):
 
 def test_kl_cov_without_penalty_is_the_unclipped_policy_gradient():
     log_prob, old, adv, mask = rival_batch(62, stale=1.0)
-    _, grad, _ = loss_and_grad("kl_cov", log_prob, old, adv, mask, kl_coef=0.0)
+    _, grad, _ = loss_and_grad("kl_cov", log_prob, old, adv, mask, kl_cov_coef=0.0)
     a = adv[:, None].expand_as(mask)
     want = torch.where(mask, -a * torch.exp(log_prob - old), 0.0) / mask.sum()
     torch.testing.assert_close(grad, want, rtol=1e-12, atol=0)
@@ -446,7 +446,7 @@ BAD = [
     ("clip_cov", {"clip_ratio": 2.0}, "clip_ratio"),
     ("clip_cov", {"cov_lb": 5.0, "cov_ub": 1.0}, "cov_ub"),
     ("kl_cov", {"kl_cov_ratio": 0.0}, "kl_cov_ratio"),
-    ("kl_cov", {"kl_coef": math.inf}, "kl_coef"),
+    ("kl_cov", {"kl_cov_coef": math.inf}, "kl_cov_coef"),
     ("ce_gppo", {"beta1": -0.1}, "beta1"),
 ]
 
@@ -455,3 +455,71 @@ BAD = [
 def test_bad_parameters_name_themselves(name, params, word):
     with pytest.raises(ValueError, match=rf"^{word}="):
         policy_loss(name, *rival_batch(0), **params)
+
+
+# ----------------------------------------------------- M2PO under decoupled PPO (issue 34, fix 2)
+
+
+def areal_m2po_decoupled(log_prob, behav, prox, advantages, loss_mask, *, m2_threshold, eps, agg):
+    """AReaL's grpo_loss_fn with use_decoupled_loss (prox_logp recomputed), m2_threshold set and
+    no weight cap, restated: the M2PO mask from (log pi_behav - log pi_prox)^2
+    (`_apply_m2po_masking(old_logp, prox_logp, ...)`), then ppo_actor_loss_fn's ratio against
+    pi_prox times the behaviour weight pi_prox / pi_behav."""
+    delta = behav - prox
+    m2 = delta * delta
+    mask_flat = loss_mask.reshape(-1)
+    sorted_m2, indices = torch.sort(m2.reshape(-1)[mask_flat], descending=True)
+    kept_sorted = areal_m2po_mask(sorted_m2, m2_threshold)[torch.argsort(indices)]
+    full = torch.zeros_like(mask_flat)
+    full[mask_flat] = kept_sorted
+    kept = full.view_as(loss_mask)
+    ratio = torch.exp(log_prob - prox)
+    pg_loss = -advantages * ratio
+    if eps is not None:
+        pg_loss = torch.max(pg_loss, -advantages * torch.clamp(ratio, 1.0 - eps, 1.0 + eps))
+    pg_loss = pg_loss * torch.exp(prox - behav)  # behave_imp_weight, no cap
+    return reduce(pg_loss, kept, agg), kept
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("agg", AGGREGATIONS)
+@pytest.mark.parametrize("eps", [None, 0.2])
+def test_m2po_under_recompute_masks_what_areal_masks(eps, agg, kind):
+    """Under trainer.old_logprob=recompute the loss divides by pi_prox, and at the first update on
+    a batch pi_theta = pi_prox: the second moment against pi_prox is 0 and masked nothing (the
+    bug). AReaL takes it between the behaviour and the proximal policy."""
+    log_prob, behav, adv, mask = rival_batch(43, kind, stale=0.4)
+    prox = log_prob.clone()  # the first update on the batch: the current weights are pi_prox
+    weight = torch.exp(prox - behav)  # what the trainer multiplies the advantages by (cap: off)
+    params = {"m2_threshold": 0.04, "eps_low": eps, "eps_high": eps, "dual_clip": None}
+    lp = log_prob.clone().requires_grad_()
+    loss, m = policy_loss(
+        "m2po", lp, prox, adv[:, None] * weight, mask, agg=agg, behav_log_prob=behav, **params
+    )
+    loss.backward()
+    want, want_grad = ref_value_and_grad(
+        lambda x, *a: areal_m2po_decoupled(x, *a, m2_threshold=0.04, eps=eps, agg=agg)[0],
+        log_prob,
+        behav,
+        prox,
+        adv[:, None].expand_as(mask),
+        mask,
+    )
+    assert loss.item() == pytest.approx(want.item(), rel=1e-12, abs=1e-15)
+    torch.testing.assert_close(lp.grad, torch.where(mask, want_grad, 0.0), rtol=1e-10, atol=1e-14)
+    _, kept = areal_m2po_decoupled(
+        log_prob,
+        behav,
+        prox,
+        adv[:, None].expand_as(mask),
+        mask,
+        m2_threshold=0.04,
+        eps=eps,
+        agg=agg,
+    )
+    dropped = mask & ~kept
+    assert bool(dropped.any())  # AReaL masks here; against pi_prox nothing would be
+    assert m["clipfrac_low"].item() + m["clipfrac_high"].item() > 0
+    # without the behaviour log-probs (old_log_prob = pi_theta) the second moment is 0
+    _, _, none = loss_and_grad("m2po", log_prob, prox, adv, mask, **params)
+    assert none["clipfrac_low"].item() == none["clipfrac_high"].item() == 0.0

@@ -11,34 +11,42 @@ from mlflow.tracking import MlflowClient
 from bapo_cli.config import hydra_runner
 from tests.conftest import run_bapo
 
-SHARED = ("actor/c_low", "actor/c_high", "actor/rho", "actor/clipfrac_low", "actor/entropy")
+SHARED = (
+    "actor/c_low",
+    "actor/c_high",
+    "actor/rho",
+    "actor/clipfrac_low",
+    "actor/entropy",
+    "actor/ess",
+)
+# shrunk as the test below: one step of two updates on the tiny model
+SHRUNK = (
+    "staleness=2",
+    "rollout.n=2",
+    "rollout.max_tokens=8",
+    "trainer.max_steps=1",
+    "trainer.prompts_per_step=2",
+    "trainer.micro_batch_size=32",
+)
 
 
-def test_every_algo_trains_one_step_from_the_cli(_output_root: Path) -> None:
-    result = run_bapo(
-        "train",
-        "-m",
-        "algo=glob(*)",
-        "staleness=2",
-        "rollout.n=2",
-        "rollout.max_tokens=8",
-        "trainer.max_steps=1",
-        "trainer.prompts_per_step=2",
-        "trainer.micro_batch_size=32",
-        "algo.resample_rounds=2",
-        timeout=600,
-    )
-    algos = hydra_runner.group_options("algo")
-    assert len(algos) == 16
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert f"{len(algos)} jobs, every config validated" in result.stdout
-    client = MlflowClient(tracking_uri=f"sqlite:///{_output_root}/mlflow.db")
+def _finished(root: Path) -> dict[str, object]:
+    client = MlflowClient(tracking_uri=f"sqlite:///{root}/mlflow.db")
     experiment = client.get_experiment_by_name("bapo").experiment_id
-    runs = {
+    return {
         r.data.tags["algo"]: r
         for r in client.search_runs([experiment])
         if "algo" in r.data.tags and r.info.status == "FINISHED"
     }
+
+
+def test_every_algo_trains_one_step_from_the_cli(_output_root: Path) -> None:
+    result = run_bapo("train", "-m", "algo=glob(*)", *SHRUNK, "algo.resample_rounds=2", timeout=900)
+    algos = hydra_runner.group_options("algo")
+    assert len(algos) == 19
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert f"{len(algos)} jobs, every config validated" in result.stdout
+    runs = _finished(_output_root)
     assert sorted(runs) == algos
     for name, run in runs.items():
         metrics = run.data.metrics
@@ -61,3 +69,29 @@ def test_every_algo_trains_one_step_from_the_cli(_output_root: Path) -> None:
     assert bounds["clip_cov"] == bounds["ce_gppo"] == (0.8, 1.2)
     assert bounds["kl_cov"][0] == bounds["m2po"][0] == 0.0 and bounds["m2po"][1] >= 1.0
     assert runs["dapo"].data.metrics["reward/overlong_penalty_mean"] <= 0.0
+    # issue 34: MinPRO GRPO's clip, prime-rl's TV thresholds as 1 -/+ 0.2, VCPO its IS cap
+    assert bounds["minpro"] == bounds["prime_default"] == (0.8, 1.2)
+    assert bounds["vcpo"] == (0.0, 8.0) and "actor/lr_scale" in runs["vcpo"].data.metrics
+    assert all(0.0 <= run.data.metrics["actor/ess"] <= 1.0 for run in runs.values())
+
+
+def test_the_2026_corrections_train_one_step_from_the_cli(_output_root: Path) -> None:
+    """Issue 34's presets and `trainer.old_logprob=loglinear`, shrunk as every preset above
+    (the whole sweep is the slow test; this one runs just the new options)."""
+    result = run_bapo("train", "-m", "algo=vcpo,minpro,prime_default", *SHRUNK, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    loglinear = run_bapo(
+        "train",
+        "algo=grpo",
+        "trainer.old_logprob=loglinear",
+        "tracking.run_name=loglinear",
+        *SHRUNK,
+        timeout=600,
+    )
+    assert loglinear.returncode == 0, loglinear.stderr[-3000:]
+    runs = _finished(_output_root)
+    assert sorted(runs) == ["grpo", "minpro", "prime_default", "vcpo"]
+    for name, run in runs.items():
+        metrics = run.data.metrics
+        assert all(key in metrics for key in SHARED), (name, sorted(metrics))
+        assert metrics["actor/updates"] == 2.0, name

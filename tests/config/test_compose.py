@@ -83,6 +83,9 @@ def test_algo_presets_map_to_losses_and_advantages() -> None:
         "clip_cov": ("clip_cov", "grpo"),
         "kl_cov": ("kl_cov", "grpo"),
         "ce_gppo": ("ce_gppo", "grpo"),
+        "vcpo": ("vcpo", "grpo"),
+        "minpro": ("minpro", "grpo"),
+        "prime_default": ("prime_default", "grpo"),
     }
     clip_higher = preflight("train", ["algo=clip_higher"]).config.algo
     assert (clip_higher.eps_low, clip_higher.eps_high) == (0.2, 0.28)

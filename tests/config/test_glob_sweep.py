@@ -26,12 +26,13 @@ def _configs(jobs: list[list[str]]) -> list:
 
 
 ALGOS = ["bapo", "bapo_recipe", "ce_gppo", "cispo", "clip_cov", "clip_higher", "dapo", "dppo_kl"]
-ALGOS += ["dppo_tv", "drgrpo", "grpo", "gspo", "kl_cov", "m2po", "ppo", "sapo"]
+ALGOS += ["dppo_tv", "drgrpo", "grpo", "gspo", "kl_cov", "m2po", "minpro", "ppo"]
+ALGOS += ["prime_default", "sapo", "vcpo"]
 
 
 def test_algo_glob_is_every_algo_in_hydras_order() -> None:
     checked = _sweep("algo=glob(*)")
-    assert checked.num_jobs == 16
+    assert checked.num_jobs == 19
     assert "algo=" + ",".join(ALGOS) in checked.overrides  # what Hydra is handed
     assert _values(checked.jobs, "algo") == ALGOS
     configs = _configs(checked.jobs)
@@ -51,8 +52,11 @@ def test_algo_glob_is_every_algo_in_hydras_order() -> None:
         "gspo",
         "kl_cov",
         "m2po",
+        "minpro",
         "ppo",
+        "prime_default",
         "sapo",
+        "vcpo",
     ]
     assert checked.config.algo.name == "bapo"  # the first job's validated config
 
@@ -62,12 +66,27 @@ def test_algo_glob_is_every_algo_in_hydras_order() -> None:
     [
         (
             "glob(*,exclude=*po)",
-            ["bapo_recipe", "clip_cov", "clip_higher", "dppo_kl", "dppo_tv", "kl_cov"],
+            [
+                "bapo_recipe",
+                "clip_cov",
+                "clip_higher",
+                "dppo_kl",
+                "dppo_tv",
+                "kl_cov",
+                "minpro",
+                "prime_default",
+            ],
         ),
-        ("glob(*,exclude=[*_*,*s*])", ["bapo", "dapo", "drgrpo", "grpo", "m2po", "ppo"]),
+        (
+            "glob(*,exclude=[*_*,*s*])",
+            ["bapo", "dapo", "drgrpo", "grpo", "m2po", "minpro", "ppo", "vcpo"],
+        ),
         ("glob([bapo,grpo])", ["bapo", "grpo"]),
         ("glob(include=c*)", ["ce_gppo", "cispo", "clip_cov", "clip_higher"]),
-        ("glob(*r*,exclude=bapo*)", ["clip_higher", "drgrpo", "grpo"]),
+        (
+            "glob(*r*,exclude=bapo*)",
+            ["clip_higher", "drgrpo", "grpo", "minpro", "prime_default"],
+        ),
     ],
 )
 def test_algo_glob_include_and_exclude(glob: str, expected: list[str]) -> None:
@@ -163,7 +182,7 @@ def test_hydras_own_glob_would_also_list_the_schemas() -> None:
     which lists the ConfigStore schemas of the group too."""
     jobs = hydra_runner.expand_sweep(["algo=glob(*)"])
     losses = ["bapo", "ce_gppo", "cispo", "clip_cov", "clip_higher", "dppo_kl", "dppo_tv", "gspo"]
-    losses += ["kl_cov", "m2po", "ppo", "sapo"]
+    losses += ["kl_cov", "m2po", "minpro", "ppo", "prime_default", "sapo", "vcpo"]
     assert [job[0] for job in jobs] == [f"algo=_{loss}_schema" for loss in losses] + [
         f"algo={name}" for name in ALGOS
     ]

@@ -34,7 +34,8 @@ RULES = [
     (
         ["algo.loss=reinforce"],
         "algo.loss=reinforce",
-        "bapo, ce_gppo, cispo, clip_cov, clip_higher, dppo_kl, dppo_tv, gspo, kl_cov, m2po, ppo",
+        "bapo, ce_gppo, cispo, clip_cov, clip_higher, dppo_kl, dppo_tv, gspo, kl_cov, m2po, "
+        "minpro, ppo, prime_default, sapo, vcpo",
     ),
     (["algo.advantage=gae"], "algo.advantage=gae", "drgrpo, grpo, rloo"),
     (["algo.dual_clip=0.5"], "algo.dual_clip=0.5", "> 1"),

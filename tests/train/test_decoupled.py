@@ -33,8 +33,8 @@ def _error(*overrides: str) -> str:
 
 def test_config_rules() -> None:
     assert _error("algo.behav_weight_cap=2") == (
-        "algo.behav_weight_cap=2.0: needs trainer.old_logprob=recompute (the proximal policy it "
-        "divides by)"
+        "algo.behav_weight_cap=2.0: needs trainer.old_logprob=recompute or loglinear (the "
+        "proximal policy it divides by)"
     )
     assert _error("algo.behav_weight_cap=0.5", "trainer.old_logprob=recompute") == (
         "algo.behav_weight_cap=0.5: must be >= 1 (or null to disable)"
@@ -62,3 +62,15 @@ def test_behaviour_weight_changes_only_the_updates_on_stale_data(tmp_path) -> No
     assert weighted.updates[0] == same  # nothing stale: the behaviour weight is exactly 1
     assert weighted.updates[1]["ratio_max"] == 1.0  # still clipped around pi_prox
     assert weighted.updates[1]["grad_norm"] != plain.updates[1]["grad_norm"]
+
+
+def test_m2po_masks_under_recompute(tmp_path) -> None:
+    """Issue 34, fix 2: under trainer.old_logprob=recompute the loss divides by pi_prox, which
+    the first update on a mini-batch *is*: a second moment taken against it is exactly 0 and
+    M2PO masked nothing. Taken between the behaviour and the proximal policy (AReaL), it masks
+    the stale mini-batch's tokens; the fresh one (pi_prox = pi_behav) keeps all of them."""
+    args = ("algo=m2po", "algo.m2_threshold=1e-12", "staleness=2", "trainer.max_steps=1")
+    result = run_train(tmp_path, *args, "trainer.old_logprob=recompute")
+    fresh, stale = result.updates
+    assert fresh["clipfrac_low"] == fresh["clipfrac_high"] == 0.0
+    assert stale["clipfrac_low"] + stale["clipfrac_high"] > 0.0  # the tokens whose log-prob moved

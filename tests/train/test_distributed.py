@@ -143,6 +143,10 @@ def test_two_gloo_ranks_match_one_process_on_the_global_batch(tmp_path: Path, st
         for a, b in zip(r["params"], single_params, strict=True):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)  # the same update
     assert single_metrics["search_steps"] > 0  # the search really walked
+    # the ESS of the update's sequences is all-reduced: the whole batch's value on every rank
+    assert ranks[0]["metrics"]["ess"] == ranks[1]["metrics"]["ess"]
+    assert ranks[0]["metrics"]["ess"] == pytest.approx(single_metrics["ess"], rel=1e-5)
+    assert single_metrics["ess"] < 1.0  # off-policy data: the check is not 1 == 1
     stored = [r["metrics"]["stored_fraction"] for r in ranks]
     if strategy == "fsdp2":  # really sharded: each rank stores about half, together all
         assert all(0.4 < f < 0.6 for f in stored) and sum(stored) == pytest.approx(1.0)

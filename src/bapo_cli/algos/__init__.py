@@ -3,8 +3,11 @@
 - `bounds`: BAPO's adaptive clipping bounds (Algorithm 1), `adaptive_bounds`, `BoundAccumulator`
   (the entry point of `bapo_path`, `bapo_locator`, `bapo_algorithm1`, `bapo_recipe`).
 - `losses`: `policy_loss(name, ...)` with `REGISTRY` (the entry point of `core` and the method
-  modules `ppo`, `bapo`, `gspo`, `cispo`, `sapo`, `dppo`, `m2po`, `cov`, `ce_gppo`).
+  modules `ppo`, `bapo`, `gspo`, `cispo`, `sapo`, `dppo`, `m2po`, `cov`, `ce_gppo`, `vcpo`,
+  `minpro`, `prime`).
 - `correction`: off-policy sequence masks (`rollout.seq_mask`).
+- `ess`: the effective sample size of an update's importance weights (`actor/ess`).
+- `proximal`: A-3PO's interpolated proximal log-probs (`trainer.old_logprob=loglinear`).
 - `advantages`: `REGISTRY` = grpo, drgrpo, rloo.
 - `diagnostics`: the Entropy-Clip quadrant table and the predicted entropy change.
 

@@ -44,8 +44,8 @@ class CEGPPOParams:
     eps_high: float = param(0.2, "clip range: c_high = 1 + eps_high (CE-GPPO's scripts: 0.2)")
     beta1: float = param(
         0.75,
-        "gradient scale of clipped A < 0 tokens (r < c_low) (reference code and 7B script: "
-        "0.75; the 1.5B script: 0.5)",
+        "gradient scale of clipped A < 0 tokens (r < c_low) (README snippet and 7B script: "
+        "0.75; the reference code's default and yaml: 0.25; the 1.5B script: 0.5)",
     )
     beta2: float = param(
         1.0, "gradient scale of clipped A > 0 tokens (r > c_high) (reference code, scripts: 1)"

@@ -45,6 +45,10 @@ class LossEntry:
     `searches_bounds`: the loss picks its bounds from the data with BAPO's search; then its params
     are a `BoundSearch` with a `bound_scope`, and it takes `bounds=` (solved once per optimizer
     step by the trainer) and `group=` (ranks to sum over when it searches itself).
+    `behaviour`: the loss also reads the behaviour log-probs when the trainer's old_log_prob is
+    a proximal policy (`trainer.old_logprob=recompute|loglinear`): it takes `behav_log_prob=`
+    (None when old_log_prob is the behaviour policy itself). M2PO measures its second moment
+    against the behaviour policy, as AReaL's decoupled loss does.
     The protocol is checked at registration, so a loss that breaks it fails on import.
     """
 
@@ -52,6 +56,7 @@ class LossEntry:
     fn: Callable[..., tuple[Tensor, dict[str, Any]]]
     params: type
     searches_bounds: bool = False
+    behaviour: bool = False
 
     def __post_init__(self) -> None:
         where = f"loss {self.name!r}"
@@ -69,6 +74,8 @@ class LossEntry:
                 raise TypeError(
                     f"{where}: a bound search needs BoundSearch params with bound_scope"
                 )
+        if self.behaviour:
+            wanted += ["behav_log_prob"]
         missing = [name for name in wanted if name not in takes]
         if missing:
             raise TypeError(f"{where}: {self.fn.__name__} takes no {', '.join(missing)}")

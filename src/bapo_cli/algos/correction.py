@@ -11,6 +11,7 @@ log-ratio the rule reads and multiplies the advantages by the 0/1 result.
           mean token KL estimate between the policy that sampled it and the current one. Only
           negative sequences: a positive one far off-policy still says what to do more of,
           while a negative one mostly pushes down tokens the current policy no longer makes.
+          With per-token (TIS-weighted) advantages the sign is read per token, as TRL does.
 
 A rejected sequence keeps its tokens in the loss's normaliser at weight 0, as this project's
 masked TIS does (`rollout.tis_mode=mask`); verl's rejection takes them out of the denominator
@@ -44,28 +45,39 @@ def geo_keep(log_ratio: Tensor, mask: Tensor, threshold: float) -> Tensor:
 
 
 def opsm_keep(log_ratio: Tensor, advantages: Tensor, mask: Tensor, threshold: float) -> Tensor:
-    """Bool [B]: DeepSeek-V3.2's rule; log_ratio = log pi_old - log pi_theta per token and
-    advantages per sequence [B] (or per token [B, T]: a sequence is negative if its first valid
-    token's advantage is)."""
-    adv = advantages if advantages.dim() == 1 else _first_valid(advantages, mask)
-    return ~((adv < 0) & (mean_log_ratio(log_ratio, mask) > float(threshold)))
+    """DeepSeek-V3.2's rule, TRL's `get_off_policy_mask`; log_ratio = log pi_old - log pi_theta
+    per token. Advantages per sequence [B] give a bool [B] (drop sequence i iff A_i < 0 and its
+    mean log ratio > threshold). Advantages per token [B, T] give a bool [B, T], decided per
+    token as TRL does with a per-token advantage: drop token t of sequence i iff A_it < 0 and
+    sequence i's mean log ratio > threshold.
 
-
-def _first_valid(values: Tensor, mask: Tensor) -> Tensor:
-    first = mask.to(torch.int64).argmax(dim=-1, keepdim=True)
-    return values.gather(-1, first).squeeze(-1)
+    Per token, not from one token of the row: after masked TIS (`rollout.tis_mode=mask`) a token
+    over the cap has weighted advantage 0, so the sign of one chosen token (the first valid one,
+    as this function read it before) can say "not negative" while the row's other tokens are
+    negative: the far-off-policy negative sequence then escaped the mask. A per-sequence
+    advantage times positive per-token weights has that advantage's sign on every token whose
+    weight is not 0, so per token is the sequence's sign before weighting wherever it matters."""
+    far = mean_log_ratio(log_ratio, mask) > float(threshold)  # [B]
+    if advantages.dim() == 1:
+        return ~((advantages < 0) & far)
+    return ~((advantages < 0) & far[:, None])
 
 
 def mask_sequences(
     kind: str, threshold: float, advantages: Tensor, mask: Tensor, log_ratio: Tensor
 ) -> tuple[Tensor, Tensor]:
     """(advantages with rejected sequences at 0, keep [B] bool). `advantages` is [B] or [B, T]
-    (already TIS-weighted); the result has the same shape. kind: "geo" or "opsm"."""
+    (already TIS-weighted); the result has the same shape. kind: "geo" or "opsm". With per-token
+    advantages opsm decides per token (`opsm_keep`); a sequence counts as kept in `keep` iff no
+    valid token of it was dropped."""
     if kind == "geo":
         keep = geo_keep(log_ratio, mask, threshold)
     elif kind == "opsm":
         keep = opsm_keep(log_ratio, advantages, mask, threshold)
     else:
         raise ValueError(f"unknown seq_mask {kind!r}; valid: {', '.join(SEQ_MASKS[1:])}")
+    if keep.dim() == 2:  # opsm per token: zero the dropped tokens, report per sequence
+        masked = torch.where(keep, advantages, torch.zeros_like(advantages))
+        return masked, ~(~keep & mask).any(dim=-1)
     weight = keep.to(advantages.dtype)
     return advantages * (weight if advantages.dim() == 1 else weight[:, None]), keep

@@ -12,7 +12,7 @@ A token with a large positive cov_t is a confident token being pushed further (o
 one pushed down): the updates that collapse entropy. Clip-Cov (`clip_cov`) detaches a few of them
 (loss and gradient 0): of the tokens the ratio clip left active with cov in (cov_lb, cov_ub),
 max(1, floor(clip_ratio * n)) picked at random (torch's global generator, as verl). KL-Cov
-(`kl_cov`) adds kl_coef * |log r_t| to the loss of the max(1, floor(kl_cov_ratio * n)) tokens
+(`kl_cov`) adds kl_cov_coef * |log r_t| to the loss of the max(1, floor(kl_cov_ratio * n)) tokens
 with the largest cov_t, and clips no ratio at all (verl's kl_cov has no clip either).
 """
 
@@ -31,7 +31,6 @@ from bapo_cli.algos.core import (
     Tokens,
     _check_agg,
     _check_dual_clip,
-    check_eps,
     prepare_tokens,
     surrogate_dropping,
     surrogate_metrics,
@@ -69,7 +68,11 @@ class ClipCovParams:
     )
     cov_lb: float = param(1.0, "lower bound of the covariance of a token that may be detached")
     cov_ub: float = param(5.0, "upper bound of the covariance of a token that may be detached")
-    eps_low: float = param(0.2, "ratio clip: c_low = 1 - eps_low (verl's clip_ratio 0.2)")
+    eps_low: float = param(
+        0.2,
+        "ratio clip: c_low = 1 - eps_low, within (0, 1]; 1 = no lower bound, the recipe's "
+        "clip [0, 2] with eps_high 1 (verl's clip_ratio 0.2)",
+    )
     eps_high: float = param(0.2, "ratio clip: c_high = 1 + eps_high (verl's clip_ratio 0.2)")
 
     def __post_init__(self) -> None:
@@ -80,7 +83,12 @@ class ClipCovParams:
         lb, ub = number("cov_lb", self.cov_lb), number("cov_ub", self.cov_ub)
         if not (math.isfinite(lb) and math.isfinite(ub) and lb < ub):
             raise ParamError("cov_ub", self.cov_ub, f"must be finite and > cov_lb ({self.cov_lb})")
-        check_eps(self.eps_low, self.eps_high)
+        # eps_low = 1 (c_low = 0) is allowed here: the Entropy-Mechanism recipe's ratio clip is
+        # [0, 2]; a ratio is never below 0, so no negative token is clipped low
+        if not 0.0 < number("eps_low", self.eps_low) <= 1.0:
+            raise ParamError("eps_low", self.eps_low, "must be within (0, 1]")
+        if not 0.0 < number("eps_high", self.eps_high) < math.inf:
+            raise ParamError("eps_high", self.eps_high, "must be a finite number > 0")
 
     def describe(self) -> str:
         return (
@@ -160,20 +168,26 @@ class KLCovParams:
         "share of the valid tokens penalised (paper, 7B models: 2e-3; verl's code default 2e-4, "
         "the paper's 32B value; at least one token)",
     )
-    kl_coef: float = param(1.0, "coefficient of |log r| on the penalised tokens (paper, verl: 1)")
+    # Not `kl_coef`: that name is algo.kl_coef, the k3 KL to the initial policy every preset has;
+    # a field of that name here also switched that penalty on, at 1 (found in issue 34).
+    kl_cov_coef: float = param(
+        1.0,
+        "coefficient of |log r| on the penalised tokens (the Entropy-Mechanism recipe scripts: "
+        "1; verl's config policy_loss.ppo_kl_coef: 0.1)",
+    )
 
     def __post_init__(self) -> None:
         self.check()
 
     def check(self) -> None:
         _check_share("kl_cov_ratio", self.kl_cov_ratio)
-        if not 0.0 <= number("kl_coef", self.kl_coef) < math.inf:
-            raise ParamError("kl_coef", self.kl_coef, "must be a finite number >= 0")
+        if not 0.0 <= number("kl_cov_coef", self.kl_cov_coef) < math.inf:
+            raise ParamError("kl_cov_coef", self.kl_cov_coef, "must be a finite number >= 0")
 
     def describe(self) -> str:
         return (
-            f"no ratio clip; {self.kl_coef:g} |log r| on the {self.kl_cov_ratio:g} of the tokens "
-            f"with the largest covariance"
+            f"no ratio clip; {self.kl_cov_coef:g} |log r| on the {self.kl_cov_ratio:g} of the "
+            "tokens with the largest covariance"
         )
 
 
@@ -197,25 +211,25 @@ def kl_cov_loss(
     mask: Tensor,
     *,
     kl_cov_ratio: float = KLCovParams.kl_cov_ratio,
-    kl_coef: float = KLCovParams.kl_coef,
+    kl_cov_coef: float = KLCovParams.kl_cov_coef,
     dual_clip: float | None = None,
     agg: str = "token-mean",
     global_tokens: float | Tensor | None = None,
     global_seqs: float | Tensor | None = None,
     norm_len: float | None = None,
 ) -> tuple[Tensor, dict[str, Any]]:
-    """KL-Cov (module docstring): loss_t = -A_t r_t + kl_coef |log r_t| [t selected].
+    """KL-Cov (module docstring): loss_t = -A_t r_t + kl_cov_coef |log r_t| [t selected].
 
     Every token with A != 0 carries gradient (no clip). clipfrac_low / clipfrac_high count the
     penalised tokens (A < 0 / A > 0). KL-Cov has no bounds: c_low reports 0 (no lower bound, as
     CISPO) and c_high the largest ratio of the call (nothing above it was clipped). dual_clip is
     not used (verl's kl_cov has none)."""
-    KLCovParams(kl_cov_ratio=kl_cov_ratio, kl_coef=kl_coef)
+    KLCovParams(kl_cov_ratio=kl_cov_ratio, kl_cov_coef=kl_cov_coef)
     aggregation = Aggregation.checked(log_prob.dim(), agg, global_tokens, global_seqs, norm_len)
     tok = prepare_tokens(log_prob, old_log_prob, advantages, mask)
     selected = kl_cov_select(tok, log_prob, float(kl_cov_ratio))
     abs_log_ratio = torch.where(selected, log_prob - old_log_prob, 0.0).abs()
-    loss_tok = -tok.adv * tok.ratio + float(kl_coef) * abs_log_ratio
+    loss_tok = -tok.adv * tok.ratio + float(kl_cov_coef) * abs_log_ratio
     loss = aggregation(loss_tok, tok.valid)
     ratio_max = float(torch.where(tok.valid, tok.r, 0.0).max()) if tok.r.numel() else 1.0
     metrics = surrogate_metrics(

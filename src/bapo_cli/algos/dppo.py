@@ -63,8 +63,9 @@ class DPPOTVParams:
     )
     ratio_cap: float = param(
         20.0,
-        "truncated IS: the weight is min(r, ratio_cap), detached (verl's clip_ratio_c default "
-        "20; its DPPO example sets 10000)",
+        "truncated IS: the weight is min(r, ratio_cap), detached (20: this project's choice; "
+        "verl runs 3.0, ActorConfig.clip_ratio_c, its code's fallback 20 never applies; its "
+        "DPPO example sets 10000)",
     )
 
     def __post_init__(self) -> None:

@@ -12,11 +12,19 @@ Per loss call (AReaL: per micro-batch given to the loss), over the valid tokens:
 
 The kept tokens get the policy gradient loss -r_t A_t: the paper's objective (as AReaL's docs
 print it, sum_t M_t r_t A_t) has no ratio clip; `eps_low` / `eps_high` add one (AReaL hands its
-`eps_clip` to the same PPO loss; its M2PO example sets eps_clip 0.0). Masked tokens leave the loss
-and its token count, as AReaL's code takes them out of the loss mask (its docs' formula divides
-by all tokens instead).
-AReaL measures m2 against its proximal policy (the weights at the start of the training step);
-a loss call here sees the current weights, which within one optimizer update are the same.
+`eps_clip` to the same PPO loss; its M2PO example sets eps_clip 0.0, a zero-width clip of
+pi_theta / pi_prox, which is 1 at the example's one update per batch: no clip). Masked tokens
+leave the loss and its token count, as AReaL's code takes them out of the loss mask (its docs'
+formula divides by all tokens instead).
+Which two policies m2 compares, as AReaL: its decoupled loss (`use_decoupled_loss`, the M2PO
+example's setting) takes m2 = (log pi_behav - log pi_prox)^2, the behaviour policy against the
+proximal one (the weights at the start of the training step). Under
+`trainer.old_logprob=recompute|loglinear` the loss's old_log_prob is that proximal policy and the
+trainer passes the behaviour log-probs as `behav_log_prob`: m2 = (log pi_prox - log pi_behav)^2.
+Under `trainer.old_logprob=behaviour` (no proximal policy) m2 = (log pi_theta - log pi_behav)^2,
+the current weights against the behaviour policy, which is AReaL's quantity at the first update
+on a batch (there pi_prox = pi_theta). Taking m2 against pi_prox under recompute instead (as this
+module did before issue 34) made it 0 at every first update: the mask never fired.
 """
 
 from __future__ import annotations
@@ -100,7 +108,7 @@ def m2_mask(log_ratio: Tensor, valid: Tensor, threshold: float) -> Tensor:
         return masked
 
 
-@REGISTRY.register("m2po", params=M2POParams)
+@REGISTRY.register("m2po", params=M2POParams, behaviour=True)
 def m2po_loss(
     log_prob: Tensor,
     old_log_prob: Tensor,
@@ -110,6 +118,7 @@ def m2po_loss(
     m2_threshold: float = M2POParams.m2_threshold,
     eps_low: float = M2POParams.eps_low,
     eps_high: float = M2POParams.eps_high,
+    behav_log_prob: Tensor | None = None,
     dual_clip: float | None = 3.0,
     agg: str = "token-mean",
     global_tokens: float | Tensor | None = None,
@@ -122,13 +131,29 @@ def m2po_loss(
 
     With gradient accumulation the trainer passes the mini-batch's token count (global_tokens),
     which still counts the masked tokens; within one call they leave the normaliser, as in
-    AReaL (whose normaliser is its micro-batch's loss mask)."""
+    AReaL (whose normaliser is its micro-batch's loss mask).
+
+    behav_log_prob: the behaviour log-probs when old_log_prob is a proximal policy (module
+    docstring); m2 is then (old_log_prob - behav_log_prob)^2, over the tokens valid for the
+    loss whose behaviour log-prob is finite (a non-finite one is masked first)."""
     params = M2POParams(m2_threshold=m2_threshold, eps_low=eps_low, eps_high=eps_high)
     c_low, c_high = params.bounds()
     dual_clip = _check_dual_clip(dual_clip, c_low)
     _check_agg(agg, log_prob.dim())
     tok = prepare_tokens(log_prob, old_log_prob, advantages, mask)
-    drop = m2_mask(tok.log_ratio, tok.valid, float(m2_threshold))
+    if behav_log_prob is None:  # the current weights against the behaviour policy
+        drop = m2_mask(tok.log_ratio, tok.valid, float(m2_threshold))
+    else:  # the proximal policy (old_log_prob) against the behaviour policy, as AReaL
+        if behav_log_prob.shape != log_prob.shape:
+            raise ValueError(
+                f"behav_log_prob has shape {tuple(behav_log_prob.shape)}, expected "
+                f"{tuple(log_prob.shape)}"
+            )
+        prox_behav = (old_log_prob - behav_log_prob).detach()
+        finite = torch.isfinite(prox_behav)
+        usable = tok.valid & finite
+        drop = m2_mask(torch.where(finite, prox_behav, 0.0), usable, float(m2_threshold))
+        drop = drop | (tok.valid & ~finite)
     loss, metrics = surrogate_dropping(
         tok,
         drop,

@@ -461,7 +461,7 @@ MAX_GRADER_WORKERS = 64  # each is a Python process holding sympy (~150 MB)
 
 ENGINES = ("auto", "hf", "vllm")
 TIS_LEVELS = ("token", "sequence")
-TIS_MODES = ("truncate", "mask")
+TIS_MODES = ("truncate", "mask", "mask_two_sided")
 SEQ_MASKS = ("none", "geo", "opsm")  # = algos.correction.SEQ_MASKS (no torch import here)
 
 
@@ -493,7 +493,8 @@ class RolloutConfig:
     tis_mode: str = opt(
         "truncate",
         "truncate: weights above rollout.tis_cap become the cap (TIS); mask: tokens (or whole "
-        "sequences, tis_level=sequence) above it get weight 0 (MIS)",
+        "sequences, tis_level=sequence) above it get weight 0 (MIS); mask_two_sided: also those "
+        "below 1 / tis_cap (verl's rollout_rs rejection, which is two-sided)",
     )
     seq_mask: str = opt(
         "none",
@@ -625,7 +626,7 @@ class PathsConfig:
 
 
 LR_SCHEDULES = ("constant", "cosine")
-OLD_LOGPROBS = ("behaviour", "recompute")
+OLD_LOGPROBS = ("behaviour", "recompute", "loglinear")
 STRATEGIES = ("ddp", "fsdp2")
 PRECISIONS = (
     "mixed",
@@ -687,7 +688,9 @@ class TrainerConfig:
         "ratio denominator: behaviour (log-prob recorded when the token was sampled) or "
         "recompute (pi_old re-scored by the current weights when the batch is first used: the "
         "proximal policy of decoupled PPO; without algo.behav_weight_cap the behaviour policy's "
-        "correction is dropped)",
+        "correction is dropped) or loglinear (A-3PO: pi_prox interpolated in log space between "
+        "the behaviour and the current log-probs, weight 1 - 1/k for a token k updates stale; "
+        "no extra forward)",
     )
     log_samples: int = opt(
         4, "samples per step written to samples.jsonl (prompt, response, reward)"
@@ -812,12 +815,14 @@ class TrainConfig:
                 f"algo.advantage={self.algo.advantage} compares samples of one prompt: needs >= 2",
             )
         cap = self.algo.behav_weight_cap
-        if cap is not None and self.trainer.old_logprob != "recompute":
+        if cap is not None and self.trainer.old_logprob == "behaviour":
             raise ConfigError(
                 "algo.behav_weight_cap",
                 cap,
-                "needs trainer.old_logprob=recompute (the proximal policy it divides by)",
+                "needs trainer.old_logprob=recompute or loglinear (the proximal policy it "
+                "divides by)",
             )
+        _check_offpolicy_losses(self)
         truncated = self.rollout.top_p < 1.0 or self.rollout.top_k > 0
         for key, value in (
             ("rollout.tis_cap", self.rollout.tis_cap),
@@ -832,6 +837,44 @@ class TrainConfig:
                     "use top_p=1 and top_k=-1, or null",
                 )
         _regime(self.staleness.regime).check_run(self)  # the regime's rules across groups
+
+
+def _check_offpolicy_losses(cfg: TrainConfig) -> None:
+    """Cross-group rules of two losses' trainer settings (issue 34): prime_default's ratio is
+    against the engine's log-probs, so no proximal policy replaces them; VCPO's baseline
+    re-centres per-sequence advantages, which per-token corrections have already weighted."""
+    if getattr(cfg.algo, "ratio_against", None) == "inference" and (
+        cfg.trainer.old_logprob != "behaviour"
+    ):
+        raise ConfigError(
+            "trainer.old_logprob",
+            cfg.trainer.old_logprob,
+            "algo.ratio_against=inference takes the ratio against the engine's log-probs: use "
+            "trainer.old_logprob=behaviour, or algo.ratio_against=old",
+        )
+    per_token = [
+        key
+        for key, on in (
+            ("rollout.tis_cap", cfg.rollout.tis_cap is not None),
+            ("rollout.seq_mask", cfg.rollout.seq_mask != "none"),
+            ("algo.behav_weight_cap", cfg.algo.behav_weight_cap is not None),
+        )
+        if on
+    ]
+    if getattr(cfg.algo, "baseline", None) == "opob" and per_token:
+        raise ConfigError(
+            "algo.baseline",
+            "opob",
+            f"re-centres per-sequence advantages; {', '.join(per_token)} makes them per token: "
+            "turn that off, or use algo.baseline=none",
+        )
+    if getattr(cfg.algo, "baseline", None) == "opob" and cfg.trainer.strategy == "fsdp2":
+        raise ConfigError(
+            "algo.baseline",
+            "opob",
+            "takes one gradient per sequence of whole (unsharded) weights: use "
+            "trainer.strategy=ddp, or algo.baseline=none",
+        )
 
 
 @dataclass

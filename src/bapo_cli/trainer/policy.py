@@ -39,6 +39,9 @@ class MicroBatch:
     token_rows: Tensor  # [N] row of each real response token (row-major order)
     token_cols: Tensor  # [N] its column in the [b, R] response layout
     old_is_current: bool = False  # behaviour log-probs are those of the weights that will train
+    # the behaviour log-probs once old_log_prob holds a proximal policy's (trainer.old_logprob=
+    # recompute): M2PO's second moment and the ESS read them; None = old_log_prob is behaviour
+    behav_log_prob: Tensor | None = None
 
     @property
     def unscored(self) -> bool:

@@ -150,7 +150,7 @@ class Run:
         trainer's)."""
         defer_first = (
             self.regime.defer_first
-            and self.cfg.trainer.old_logprob == "behaviour"
+            and self.cfg.trainer.old_logprob != "recompute"  # loglinear needs no proximal pass
             and self.engine_name == "hf"
         )
         for i, mini in enumerate(self.layout(samples)):
@@ -362,7 +362,7 @@ def _build(
         prompts=prompts,
         engine_name=engine_name,
         engine=engine,
-        spec=loss_spec(cfg.algo, max_tokens=cfg.rollout.max_tokens),
+        spec=loss_spec(cfg.algo, cfg.rollout.max_tokens, cfg.trainer.old_logprob),
         optimizer=optimizer,
         scheduler=scheduler,
         last_ckpt=resume_from,
@@ -805,6 +805,7 @@ def _prepare(
             if cap is not None:  # decoupled PPO: the behaviour correction pi_prox / pi_behav
                 weight = behaviour_weights(prox, mb.old_log_prob, mb.mask, cap)
             recomputed[key] = (prox, weight)
+            mb.behav_log_prob = mb.old_log_prob  # M2PO and the ESS read the behaviour policy
         prox, weight = recomputed[key]
         if weight is not None:
             adv = mb.advantages if mb.advantages.dim() == 2 else mb.advantages[:, None]
@@ -975,6 +976,8 @@ def _step_metrics(
         "c_high": "actor/c_high",
         "zero_mass": "actor/zero_mass_frac",
         "staleness_mean": "staleness/mean",
+        "ess": "actor/ess",  # algos/ess.py: ESS / N of the sequences' weights, behaviour -> current
+        "lr_scale": "actor/lr_scale",  # VCPO's ESS step scale
     }
     if searched:
         names.update(search_steps="bapo/search_steps", search_moved="bapo/search_moved_frac")

@@ -21,19 +21,29 @@ mismatched the collectives when the counts differ. The exact all-rank search is
 
 Aggregation across micro-batches is exact: each micro-batch's loss is divided by the mini-batch's
 token (or sequence) count, not its own, so the accumulated gradient equals the mini-batch loss's.
+
+What the loss divides by (`_ratio_inputs`): the behaviour log-probs (`trainer.old_logprob=
+behaviour`), the proximal ones the trainer recomputed (`recompute`), A-3PO's interpolation of
+the two from this forward (`loglinear`, `algos.proximal`: no extra forward), or the engine's own
+(a loss whose params say `ratio_against=inference`, prime-rl's default). Every update logs the
+ESS of its sequences' importance weights, behaviour -> current (`algos.ess`, `ess`); VCPO scales
+the step's learning rate by it and re-centres its advantages first (`trainer.seq_grads`).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
 
 from bapo_cli.algos import diagnostics, losses
+from bapo_cli.algos import ess as ess_lib
 from bapo_cli.algos.bounds import BapoBounds, BoundSearch, rho_from_sums
+from bapo_cli.algos.proximal import loglinear_prox
+from bapo_cli.trainer import seq_grads
 from bapo_cli.trainer.distributed import DistContext
 from bapo_cli.trainer.policy import MicroBatch, token_logprobs
 
@@ -51,11 +61,22 @@ class LossSpec:
     # the constant of agg=seq-mean-token-sum-norm (Dr. GRPO): the response budget; None = the
     # widest micro-batch of the update
     norm_len: float | None = None
+    old_logprob: str = "behaviour"  # trainer.old_logprob: behaviour | recompute | loglinear
+    behav_cap: float | None = None  # algo.behav_weight_cap (applied here under loglinear)
+    # trainer settings a loss's params carry (fields marked trainer=True), read by `loss_spec`:
+    lr_scale: Callable[[float], float] | None = None  # VCPO: the step's lr factor from the ESS
+    opob_baseline: bool = False  # VCPO: re-centre the advantages per update (seq_grads)
+    inference_ratio: bool = False  # prime_default: the ratio against the engine's log-probs
 
     @property
     def searches_bounds(self) -> bool:
         """The loss chooses its bounds with BAPO's search (see `optimizer_update`)."""
         return losses.REGISTRY.get(self.name).searches_bounds
+
+    @property
+    def behaviour(self) -> bool:
+        """The loss takes `behav_log_prob=` (`LossEntry.behaviour`, M2PO)."""
+        return losses.REGISTRY.get(self.name).behaviour
 
     @property
     def search(self) -> BoundSearch:
@@ -65,10 +86,12 @@ class LossSpec:
         return BoundSearch(**{name: self.params[name] for name in names})
 
 
-def loss_spec(algo: Any, max_tokens: int | None = None) -> LossSpec:
+def loss_spec(algo: Any, max_tokens: int | None = None, old_logprob: str = "behaviour") -> LossSpec:
     """Algo config dataclass → LossSpec, for any registered loss: the fields of the loss's params
     dataclass are read from the config by name (validated there), plus the shared options.
-    `max_tokens` (rollout.max_tokens) is Dr. GRPO's constant normaliser (`LossSpec.norm_len`)."""
+    `max_tokens` (rollout.max_tokens) is Dr. GRPO's constant normaliser (`LossSpec.norm_len`);
+    `old_logprob` is trainer.old_logprob. The trainer settings a loss's params may carry:
+    `bound_scope` (BAPO), `lr_scale()` and `baseline` (VCPO), `ratio_against` (prime_default)."""
     entry = losses.REGISTRY.get(algo.loss)
     params = entry.read_params(algo)
     return LossSpec(
@@ -77,7 +100,49 @@ def loss_spec(algo: Any, max_tokens: int | None = None) -> LossSpec:
         bound_scope=params.bound_scope if entry.searches_bounds else "minibatch",
         kl_coef=float(getattr(algo, "kl_coef", 0.0)),
         norm_len=None if max_tokens is None else float(max_tokens),
+        old_logprob=old_logprob,
+        behav_cap=getattr(algo, "behav_weight_cap", None),
+        lr_scale=getattr(params, "lr_scale", None),
+        opob_baseline=getattr(params, "baseline", None) == "opob",
+        inference_ratio=getattr(params, "ratio_against", None) == "inference",
     )
+
+
+def inference_log_probs(mb: MicroBatch) -> Tensor:
+    """The engine's own log-probs of the micro-batch's tokens, [b, R], where a sample has them
+    (vLLM), else the behaviour log-probs (the transformers engine's are the trainer's own)."""
+    out = mb.old_log_prob.detach().clone()
+    width = out.shape[1]
+    for i, s in enumerate(mb.samples):
+        known = min(len(s.engine_logprobs), width)
+        if known:
+            out[i, :known] = torch.tensor(s.engine_logprobs[:known], dtype=out.dtype)
+    return out
+
+
+def _ratio_inputs(
+    mb: MicroBatch, logp: Tensor, spec: LossSpec, version: int
+) -> tuple[Tensor, Tensor | None, Tensor]:
+    """(what the loss divides by, the behaviour log-probs when that is a proximal policy else
+    None, the advantages) for one micro-batch, given this update's forward `logp`."""
+    if spec.inference_ratio:
+        return inference_log_probs(mb), None, mb.advantages
+    if spec.old_logprob == "loglinear":  # A-3PO: pi_prox interpolated, no forward of its own
+        stale = torch.where(mb.mask, version - mb.versions, 0)
+        prox = loglinear_prox(mb.old_log_prob, logp, stale)
+        adv = mb.advantages
+        if spec.behav_cap is not None:  # decoupled PPO's behaviour weight pi_prox / pi_behav
+            weight = behaviour_weights(prox, mb.old_log_prob, mb.mask, spec.behav_cap)
+            adv = (adv if adv.dim() == 2 else adv[:, None]) * weight
+        return prox, mb.old_log_prob, adv
+    if spec.old_logprob == "recompute":
+        return mb.old_log_prob, mb.behav_log_prob, mb.advantages
+    return mb.old_log_prob, None, mb.advantages
+
+
+def _behaviour_of(mb: MicroBatch) -> Tensor:
+    """The behaviour log-probs (the policy that sampled), whatever the loss divides by."""
+    return mb.behav_log_prob if mb.behav_log_prob is not None else mb.old_log_prob
 
 
 def solve_bounds(
@@ -86,6 +151,7 @@ def solve_bounds(
     spec: LossSpec,
     temperature: float,
     group: Any = None,
+    version: int = 0,
 ) -> BapoBounds:
     """BAPO's per-update search over every token of the mini-batch (one extra no-grad forward),
     summed over the ranks of `group`."""
@@ -96,15 +162,16 @@ def solve_bounds(
             logp, _ = token_logprobs(model, mb, temperature)
             if mb.old_is_current:  # see optimizer_update: the behaviour policy is these weights
                 mb.old_log_prob, mb.old_is_current = logp, False
-            acc.add(**_search_inputs(logp, mb, spec))
+            acc.add(**_search_inputs(logp, mb, spec, version))
     return acc.solve(search.rho0, group=group)
 
 
-def _search_inputs(logp: Tensor, mb: MicroBatch, spec: LossSpec) -> dict[str, Tensor]:
+def _search_inputs(logp: Tensor, mb: MicroBatch, spec: LossSpec, version: int) -> dict[str, Tensor]:
+    old, _, adv = _ratio_inputs(mb, logp.detach(), spec, version)
     return losses.search_inputs(
         logp.detach(),
-        mb.old_log_prob,
-        mb.advantages,
+        old,
+        adv,
         mb.mask,
         dual_clip=spec.params["dual_clip"],
         weighting=spec.search.weighting,
@@ -166,13 +233,17 @@ def optimizer_update(
     }
     per_step_search = spec.searches_bounds and spec.bound_scope == "minibatch"
     bounds: BapoBounds | None = None
+    pre: dict[str, float] = {}
+    if spec.opob_baseline:  # VCPO: re-centre the advantages before the loss sees them
+        pre = seq_grads.opob_advantages(model, micro, temperature)
     if per_step_search and len(micro) > 1:
-        bounds = solve_bounds(model, micro, spec, temperature, ctx.group)
+        bounds = solve_bounds(model, micro, spec, temperature, ctx.group, version)
     weights: list[tuple[dict[str, Any], float]] = []
     # [non-finite losses, active tokens, *RHO_SUMS] summed over the micro-batches on the device;
     # read once after the loop (no per-micro-batch sync) and all-reduced in one call
     tally: Tensor | None = None
-    clipped_with: list[tuple[Tensor, float, float]] = []
+    clipped_with: list[tuple[Tensor, Tensor, Tensor, float, float]] = []
+    log_ws: list[Tensor] = []  # each sequence's log importance weight, behaviour -> current
     for i, mb in enumerate(micro):
         with ctx.no_sync(model, last=i == len(micro) - 1):
             logp, entropy = token_logprobs(model, mb, temperature, entropy=True)
@@ -184,13 +255,15 @@ def optimizer_update(
             params = dict(spec.params)
             if per_step_search:
                 if bounds is None:  # the mini-batch is this one micro-batch
-                    bounds = _single_pass_bounds(logp, mb, spec, ctx.group)
+                    bounds = _single_pass_bounds(logp, mb, spec, ctx.group, version)
                 params["bounds"] = bounds
+            old, behav, adv = _ratio_inputs(mb, logp, spec, version)
+            if spec.behaviour:
+                params["behav_log_prob"] = behav
+            log_ws.append(ess_lib.sequence_log_weights(logp, _behaviour_of(mb), mb.mask))
             # bound_scope=microbatch: the loss searches this rank's micro-batch alone (no
             # collective), see the module docstring
-            loss, m = losses.policy_loss(
-                spec.name, logp, mb.old_log_prob, mb.advantages, mb.mask, **params, **norm
-            )
+            loss, m = losses.policy_loss(spec.name, logp, old, adv, mb.mask, **params, **norm)
             if spec.kl_coef > 0 and ref_model is not None:
                 with torch.no_grad():
                     ref_logp, _ = token_logprobs(ref_model, mb, temperature)
@@ -205,7 +278,9 @@ def optimizer_update(
             loss.backward()
             m["entropy"] = torch.where(mb.mask, entropy, 0.0).sum() / max(mb.num_tokens, 1)
             # what the loss clipped with, for the quadrant table after the loop
-            clipped_with.append((logp.detach(), float(m["c_low"]), float(m["c_high"])))
+            clipped_with.append(
+                (logp.detach(), old.detach(), adv, float(m["c_low"]), float(m["c_high"]))
+            )
             stale = torch.where(mb.mask, (version - mb.versions).float(), 0.0)
             m["staleness_sum"], m["staleness_max"] = stale.sum(), stale.max()
             weights.append((m, float(mb.num_tokens)))
@@ -220,10 +295,16 @@ def optimizer_update(
     skipped = nonfinite > 0 or not math.isfinite(grad_norm)
     kl_grad = spec.kl_coef > 0 and ref_model is not None and all_tokens > 0  # the KL term's
     no_grad = not skipped and active == 0 and not kl_grad
+    ess = _ess(log_ws, ctx)
+    scale = spec.lr_scale(ess) if spec.lr_scale is not None else None
     if not (skipped or no_grad):
-        optimizer.step()
+        _step(optimizer, scale)
     optimizer.zero_grad(set_to_none=True)
     metrics = _combine(weights, tokens)
+    metrics["ess"] = ess
+    if scale is not None:
+        metrics["lr_scale"] = scale
+    metrics.update(pre)
     metrics.update(_quadrants(micro, clipped_with, spec.params["dual_clip"]))
     metrics["grad_norm"] = grad_norm
     metrics.update(zip(RHO_SUMS, rho_sums, strict=True))
@@ -239,9 +320,34 @@ def optimizer_update(
     return UpdateResult(metrics, skipped, tokens, no_grad)
 
 
+def _ess(log_ws: Sequence[Tensor], ctx: DistContext) -> float:
+    """ESS / N of the update's sequences over all ranks (`algos.ess`): the largest finite log
+    weight and then the shifted sums are all-reduced, so the value is the whole update's."""
+    log_w = torch.cat([w.cpu() for w in log_ws]) if log_ws else torch.zeros(0, dtype=torch.float64)
+    finite = log_w[torch.isfinite(log_w)]
+    (top,) = ctx.max([float(finite.max()) if finite.numel() else -math.inf])
+    return ess_lib.ess_from_sums(*ctx.sum(ess_lib.weight_sums(log_w, top).tolist()))
+
+
+def _step(optimizer: torch.optim.Optimizer, scale: float | None) -> None:
+    """optimizer.step(), with every group's learning rate times `scale` for this step only (VCPO's
+    ESS scaling; the schedule's own lr is put back, as VCPO's `_optimizer_step_with_buffer`)."""
+    if scale is None:
+        optimizer.step()
+        return
+    base = [group["lr"] for group in optimizer.param_groups]
+    for group in optimizer.param_groups:
+        group["lr"] = group["lr"] * scale
+    try:
+        optimizer.step()
+    finally:
+        for group, lr in zip(optimizer.param_groups, base, strict=True):
+            group["lr"] = lr
+
+
 def _quadrants(
     micro: Sequence[MicroBatch],
-    clipped_with: Sequence[tuple[Tensor, float, float]],
+    clipped_with: Sequence[tuple[Tensor, Tensor, Tensor, float, float]],
     dual_clip: float | None,
 ) -> dict[str, float]:
     """The Entropy-Clip quadrant table of the whole update, as `diagnostics.quadrant_table` gives
@@ -251,20 +357,19 @@ def _quadrants(
     if not micro:
         return {}
     toks = [
-        losses.prepare_tokens(logp, mb.old_log_prob.detach(), mb.advantages, mb.mask)
-        for mb, (logp, _, _) in zip(micro, clipped_with, strict=True)
+        losses.prepare_tokens(logp, old, adv, mb.mask)
+        for mb, (logp, old, adv, _, _) in zip(micro, clipped_with, strict=True)
     ]
     lp_sum = sum(
-        torch.where(t.valid, lp, 0.0).sum()
-        for t, (lp, _, _) in zip(toks, clipped_with, strict=True)
+        torch.where(t.valid, lp, 0.0).sum() for t, (lp, *_) in zip(toks, clipped_with, strict=True)
     )
     threshold = lp_sum / sum(t.n_valid for t in toks).clamp(min=1)
     counts: dict[str, Tensor] = {}
-    for mb, tok, (logp, c_low, c_high) in zip(micro, toks, clipped_with, strict=True):
+    for mb, tok, (logp, old, adv, c_low, c_high) in zip(micro, toks, clipped_with, strict=True):
         quad = diagnostics.quadrant_table(
             logp,
-            mb.old_log_prob,
-            mb.advantages,
+            old,
+            adv,
             mb.mask,
             c_low=c_low,
             c_high=c_high,
@@ -293,12 +398,12 @@ def _on_device(value: Tensor | float, device: torch.device) -> Tensor:
 
 
 def _single_pass_bounds(
-    logp: Tensor, mb: MicroBatch, spec: LossSpec, group: Any = None
+    logp: Tensor, mb: MicroBatch, spec: LossSpec, group: Any = None, version: int = 0
 ) -> BapoBounds:
     """One micro-batch is the whole mini-batch: search on the forward we back-propagate."""
     search = spec.search
     acc = search.accumulator(spec.params["dual_clip"])
-    acc.add(**_search_inputs(logp, mb, spec))
+    acc.add(**_search_inputs(logp, mb, spec, version))
     return acc.solve(search.rho0, group=group)
 
 
@@ -331,7 +436,8 @@ def tis_weights(
 
     `level="sequence"`: every token of a sequence gets the sequence's weight, the product of its
     token ratios (`rollout.tis_level`); `mode="mask"` (MIS, `rollout.tis_mode`): a weight over the
-    cap becomes 0 (the token, or the whole sequence) instead of the cap.
+    cap becomes 0 (the token, or the whole sequence) instead of the cap; `mode="mask_two_sided"`:
+    one below 1 / cap too (verl's rollout_rs token / sequence rejection keeps [1/cap, cap]).
     """
     b, width = mb.mask.shape
     trainer = torch.zeros((b, width), dtype=torch.float32)
@@ -347,6 +453,8 @@ def tis_weights(
     weights = torch.exp(log_ratio)
     if mode == "mask":  # MIS: drop what is over the cap instead of flattening it
         weights = torch.where(weights <= cap, weights, 0.0)
+    elif mode == "mask_two_sided":  # verl's rollout_rs rejection: also what is below 1 / cap
+        weights = torch.where((weights <= cap) & (weights >= 1.0 / cap), weights, 0.0)
     else:
         weights = weights.clamp(max=cap)
     return torch.where(mb.mask, weights.to(mb.mask.device), 1.0)
