@@ -6,8 +6,9 @@ reads `sys.argv`; we need it behind a Typer command instead, so we call what `@h
 `get_args_parser()` and `_run_hydra()`. These are private and may change; hydra-core is pinned to
 1.3.x in pyproject.toml and tests/config/test_hydra_runner.py exercises this module directly.
 
-Also here: where the configs live (`config_dir`), the compose API for `bapo config` and
-pre-flight validation, and the normalisation of overrides the CLI does before Hydra sees them.
+Also here: the compose API for `bapo config` and pre-flight validation, and the normalisation of
+overrides the CLI does before Hydra sees them. Where the configs live (`config_dir`) is
+`bapo_cli.config.paths`, re-exported here.
 """
 
 from __future__ import annotations
@@ -18,22 +19,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import bapo_cli
+from bapo_cli.config import schema
+from bapo_cli.config.paths import config_dir as config_dir  # callers name hydra_runner's
 
 OUTPUT_ROOT_ENV = "BAPO_OUTPUT_ROOT"
 VERSION_BASE = "1.3"
-
-
-def config_dir() -> Path:
-    """The `conf/` directory: inside an installed wheel (bapo_cli/conf), else the checkout's top."""
-    package = Path(bapo_cli.__file__).resolve().parent
-    for candidate in (package / "conf", package.parents[1] / "conf"):
-        if (candidate / "train.yaml").is_file():
-            return candidate
-    raise FileNotFoundError(
-        f"bapo-cli configs not found next to {package} (looked for conf/train.yaml); "
-        "reinstall the package"
-    )
 
 
 def group_options(group: str) -> list[str]:
@@ -132,8 +122,6 @@ def compose(config_name: str, overrides: list[str], *, with_hydra: bool = False)
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
 
-    from bapo_cli.config import schema
-
     schema.register()
     with initialize_config_dir(config_dir=str(config_dir()), version_base=VERSION_BASE):
         return hydra_compose(
@@ -150,8 +138,6 @@ def sweeper_params(config_name: str, overrides: list[str]) -> list[str] | None:
     """
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
-
-    from bapo_cli.config import schema
 
     schema.register()
     with initialize_config_dir(config_dir=str(config_dir()), version_base=VERSION_BASE):
@@ -195,8 +181,6 @@ def _config_loader() -> Any:
     from hydra._internal.config_loader_impl import ConfigLoaderImpl
     from hydra._internal.utils import create_config_search_path
 
-    from bapo_cli.config import schema
-
     schema.register()
     return ConfigLoaderImpl(config_search_path=create_config_search_path(str(config_dir())))
 
@@ -214,8 +198,6 @@ def run(
     """
     from hydra._internal.utils import _run_hydra, get_args_parser
     from hydra.version import setbase
-
-    from bapo_cli.config import schema
 
     schema.register()
     setbase(VERSION_BASE)

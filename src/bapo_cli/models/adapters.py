@@ -20,14 +20,14 @@ one `LoraError` line naming the file and the field:
   directory (config.json) or a hub id. It may not name the adapter itself nor another adapter
   directory, so a chain, and with it a cycle, never starts.
 
-The bounds also hold for `model.lora.*` at config check (config.schema), so a run cannot write an
-adapter that this module would refuse. Why these bounds: an adapter of rank r on a d x d layer
-has 2rd parameters, as many as the layer itself at r = d/2; 4,096 is that point for a 70B model
-(hidden size 8,192), far above what LoRA is used at (8-256), and a wider adapter is no longer
-low-rank (the meta-device check in models.lora also caps the rank at the model's hidden size).
-`alpha` scales the update by alpha / rank and is usually rank or 2 x rank: 4 x MAX_RANK leaves
-room while keeping the scale far from what overflows sampling (alpha=1e308 gave `inf`
-probabilities).
+The bounds are config's (`MAX_LORA_RANK`, `MAX_LORA_ALPHA` in config.schema.model, a layer below
+models) and hold for `model.lora.*` at config check, so a run cannot write an adapter that this
+module would refuse. Why these bounds: an adapter of rank r on a d x d layer has 2rd parameters,
+as many as the layer itself at r = d/2; 4,096 is that point for a 70B model (hidden size 8,192),
+far above what LoRA is used at (8-256), and a wider adapter is no longer low-rank (the meta-device
+check in models.lora also caps the rank at the model's hidden size). `alpha` scales the update by
+alpha / rank and is usually rank or 2 x rank: 4 x MAX_RANK leaves room while keeping the scale far
+from what overflows sampling (alpha=1e308 gave `inf` probabilities).
 """
 
 from __future__ import annotations
@@ -39,14 +39,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from bapo_cli.config.schema.model import MAX_LORA_ALPHA as MAX_ALPHA
+from bapo_cli.config.schema.model import MAX_LORA_RANK as MAX_RANK
 from bapo_cli.models.errors import LoraError
 from bapo_cli.models.pretrained import HUB_ID, looks_local
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 PICKLED_WEIGHTS = "adapter_model.bin"
-MAX_RANK = 4096
-MAX_ALPHA = 4.0 * MAX_RANK
 MAX_CONFIG_BYTES = 1 << 20  # PEFT writes ~2 KB
 MAX_HEADER_BYTES = 100 << 20  # the safetensors library's own limit
 # PEFT's initialisations that leave the base weights as they are (pissa, olora, corda, loftq, eva

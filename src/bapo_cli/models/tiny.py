@@ -55,6 +55,7 @@ from typing import Any
 
 import torch
 
+from bapo_cli.config.schema.model import WARMUP_TASK_NAMES
 from bapo_cli.data.pairs import (
     PAIRS_MAX_TOKENS,
     PAIRS_TEMPLATE,
@@ -135,7 +136,14 @@ WARMUP_TASKS: dict[str, WarmupTask] = {
         kv_cache=True,
     ),
 }
-"""`model.tiny.task` -> how to warm up on it (the keys are TinyModelConfig.task's values)."""
+"""`model.tiny.task` -> how to warm up on it. The keys are the values TinyModelConfig.task accepts,
+`WARMUP_TASK_NAMES` of config (a layer below models, so the names live there): a task added here
+must be named there too, or config refuses it; checked when this module loads."""
+if tuple(WARMUP_TASKS) != WARMUP_TASK_NAMES:
+    raise ImportError(
+        f"models.tiny.WARMUP_TASKS has {tuple(WARMUP_TASKS)}, but config.schema.model."
+        f"WARMUP_TASK_NAMES (what model.tiny.task accepts) is {WARMUP_TASK_NAMES}"
+    )
 DEFAULT_TASK = "arith"
 
 

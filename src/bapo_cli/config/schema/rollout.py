@@ -1,0 +1,95 @@
+"""The `rollout` group: the generation engine, sampling, and the corrections of the
+engine/trainer mismatch (truncated importance sampling, sequence masks)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from bapo_cli.config.errors import ConfigError
+from bapo_cli.config.schema.fields import _one_of, _positive, opt
+
+ENGINES = ("auto", "hf", "vllm")
+TIS_LEVELS = ("token", "sequence")
+TIS_MODES = ("truncate", "mask", "mask_two_sided")
+SEQ_MASKS = ("none", "geo", "opsm")  # = algos.correction.SEQ_MASKS (no torch import here)
+
+
+@dataclass
+class RolloutConfig:
+    """Generation: engine and sampling parameters."""
+
+    name: str = opt("auto", "engine: auto (vllm on CUDA when it imports, else hf), hf or vllm")
+    n: int = opt(8, "samples per prompt (the GRPO group size)")
+    temperature: float = opt(1.0, "sampling temperature (0 = greedy)")
+    top_p: float = opt(1.0, "nucleus sampling mass")
+    top_k: int = opt(-1, "top-k sampling; -1 = off")
+    max_tokens: int = opt(16, "response token budget per sample")
+    stop: list[str] = opt([], "stop strings")
+    seed: int | None = opt(None, "sampling seed; null = trainer.seed")
+    gpu_memory_utilization: float = opt(0.5, "vLLM: share of GPU memory for weights + KV cache")
+    tensor_parallel_size: int = opt(1, "vLLM: GPUs per engine")
+    enable_sleep_mode: bool = opt(False, "vLLM on CUDA: free the KV cache while training")
+    tis_cap: float | None = opt(
+        None,
+        "truncated importance sampling: weight each token by min(pi_trainer / pi_engine, cap), "
+        "correcting the engine/trainer numerical mismatch (vllm; not staleness); null = off",
+    )
+    tis_level: str = opt(
+        "token",
+        "rollout.tis_cap per token, or per sequence (one weight: the product of its tokens' "
+        "ratios)",
+    )
+    tis_mode: str = opt(
+        "truncate",
+        "truncate: weights above rollout.tis_cap become the cap (TIS); mask: tokens (or whole "
+        "sequences, tis_level=sequence) above it get weight 0 (MIS); mask_two_sided: also those "
+        "below 1 / tis_cap (verl's rollout_rs rejection, which is two-sided)",
+    )
+    seq_mask: str = opt(
+        "none",
+        "off-policy sequence masking (algos/correction.py): geo = drop a sequence whose "
+        "geometric-mean pi_trainer / pi_engine is outside [1/t, t] (verl's geometric mask); "
+        "opsm = drop a negative-advantage sequence whose mean log(pi_old / pi_theta) > t "
+        "(DeepSeek-V3.2); t = rollout.seq_mask_threshold",
+    )
+    seq_mask_threshold: float | None = opt(
+        None,
+        "rollout.seq_mask's t: geo > 1 (a bound on the geometric-mean ratio), opsm > 0 (nats "
+        "per token; the paper gives none, TRL suggests 0.5 to start)",
+    )
+
+    def check(self) -> None:
+        _one_of("name", self.name, ENGINES)
+        if self.n < 1:
+            raise ConfigError("n", self.n, "must be >= 1")
+        _positive("temperature", self.temperature, allow_zero=True)
+        if not 0.0 < self.top_p <= 1.0:
+            raise ConfigError("top_p", self.top_p, "must be within (0, 1]")
+        if self.top_k == 0 or self.top_k < -1:
+            raise ConfigError("top_k", self.top_k, "must be -1 (off) or >= 1")
+        _positive("max_tokens", self.max_tokens)
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ConfigError(
+                "gpu_memory_utilization", self.gpu_memory_utilization, "must be within (0, 1]"
+            )
+        _positive("tensor_parallel_size", self.tensor_parallel_size)
+        if self.tis_cap is not None and not self.tis_cap >= 1.0:
+            raise ConfigError("tis_cap", self.tis_cap, "must be >= 1 (or null to disable)")
+        _one_of("tis_level", self.tis_level, TIS_LEVELS)
+        _one_of("tis_mode", self.tis_mode, TIS_MODES)
+        _one_of("seq_mask", self.seq_mask, SEQ_MASKS)
+        t = self.seq_mask_threshold
+        if self.seq_mask == "none" and t is not None:  # a threshold that would mask nothing
+            raise ConfigError(
+                "seq_mask_threshold",
+                t,
+                "set while rollout.seq_mask=none, so nothing is masked; choose rollout.seq_mask="
+                "geo or opsm, or drop the threshold (null)",
+            )
+        if self.seq_mask != "none" and t is None:
+            raise ConfigError("seq_mask_threshold", t, f"required with seq_mask={self.seq_mask}")
+        if self.seq_mask == "geo" and not t > 1.0:
+            raise ConfigError("seq_mask_threshold", t, "must be > 1 with seq_mask=geo")
+        if self.seq_mask == "opsm" and not 0.0 < t < math.inf:
+            raise ConfigError("seq_mask_threshold", t, "must be a finite number > 0 with opsm")

@@ -1,0 +1,62 @@
+"""The `staleness` group: how far the behaviour policy lags the policy being updated.
+
+The valid regimes and their rules are the regime classes of `bapo_cli.staleness.regimes.REGIMES`
+(`check` on this group, `check_run` across groups, called by `TrainConfig.check`). staleness sits
+above config (its regimes import `ConfigError` and `TrainConfig`), so the registry is loaded by name
+through the plug-in point `bapo_cli.config.registries`, not imported: a new regime is its class
+and needs no edit here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from bapo_cli.config import registries
+from bapo_cli.config.errors import ConfigError
+from bapo_cli.config.schema.fields import _one_of, _positive, opt
+
+
+def regime_class(name: str) -> Any:
+    """The regime class registered as `name` (`bapo_cli.staleness.regimes.REGIMES`): it holds the
+    regime's config rules (`check`, `check_run`), so a new regime needs no edit here."""
+    return registries.load(registries.REGIMES, "REGIMES").get(name)
+
+
+def regime_names() -> tuple[str, ...]:
+    return tuple(registries.load(registries.REGIMES, "REGIMES").registered())
+
+
+@dataclass
+class StalenessConfig:
+    """How far the behaviour policy lags the policy being updated (staleness=<k>)."""
+
+    k: int = opt(
+        0,
+        "reuse: optimizer updates per rollout batch (0 and 1 = on-policy); replay/async: "
+        "policy versions between generation and training; partial: versions a response may span",
+    )
+    regime: str = opt(
+        "reuse",
+        "a key of bapo_cli.staleness.regimes.REGIMES: reuse | replay | lag | partial | async",
+    )
+    ppo_epochs: int = opt(1, "passes over each rollout batch (reuse); multiplies the updates")
+    interrupt: bool = opt(
+        False,
+        "async: newer weights pause the responses being generated, which continue with them "
+        "(tokens stamped per version; AReaL's interruptible rollout)",
+    )
+
+    def check(self) -> None:
+        _positive("k", self.k, allow_zero=True)
+        _one_of("regime", self.regime, regime_names())
+        _positive("ppo_epochs", self.ppo_epochs)
+        regime_class(self.regime).check(self.k, self.ppo_epochs)
+        if self.interrupt and self.regime != "async":
+            raise ConfigError(
+                "interrupt",
+                True,
+                "pauses the responses a generation worker is sampling when new weights arrive; "
+                "only staleness.regime=async has a worker (in one process, staleness.regime="
+                "partial continues responses with newer weights)",
+            )
