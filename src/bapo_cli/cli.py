@@ -49,7 +49,7 @@ _err = Console(stderr=True)
 
 
 def _fail(line: str) -> typer.Exit:
-    from bapo_cli.tracking import redact
+    from bapo_cli import redact
 
     line = redact.text(line)  # an override it quotes may hold credentials
     _err.print(f"[bold red]error:[/bold red] {line}", highlight=False, soft_wrap=True)
@@ -79,8 +79,8 @@ def _one_process_regime(name: str) -> None:
 
 
 def _launch(config_name: str, overrides: list[str] | None, multirun: bool, task) -> None:
+    from bapo_cli import redact
     from bapo_cli.config import hydra_runner
-    from bapo_cli.tracking import redact
 
     redact.mask_log_records()  # Hydra logs every job's overrides as typed
     checked = _preflight(config_name, overrides, multirun)
@@ -331,7 +331,7 @@ def config(
     if docs:
         _print_docs(schema.TrainConfig if name == "train" else schema.EvalRunConfig)
         return
-    from bapo_cli.tracking import redact
+    from bapo_cli import redact
 
     checked = _preflight(name, overrides)
     cfg = hydra_runner.compose(name, checked.overrides)
@@ -359,8 +359,7 @@ def runs(
     limit: int = typer.Option(20, help="Newest N runs."),
 ) -> None:
     """List tracked runs in the MLflow store, newest first."""
-    from bapo_cli import tracking
-    from bapo_cli.tracking import redact
+    from bapo_cli import redact, tracking
 
     if uri is None:
         uri = _preflight("train", []).config.tracking.uri
@@ -427,7 +426,7 @@ def report(
     """Compare runs: a table (markdown, CSV) and plots per metric, logged to the sweep's parent."""
     import time
 
-    from bapo_cli.tracking import report as rep
+    from bapo_cli import report as rep
 
     if sum(x is not None and x != [] for x in (run_ids, sweep, experiment)) != 1:
         raise _fail("give exactly one of --sweep DIR, --experiment NAME or RUN_ID...")
@@ -462,7 +461,8 @@ def ui(
 ) -> None:
     """Open the MLflow UI on the tracking store (runs `mlflow ui`; SIGTERM and Ctrl-C stop all
     of it, its output is relayed masked: bapo_cli.tracking.server.run_ui)."""
-    from bapo_cli.tracking import redact, server
+    from bapo_cli import redact
+    from bapo_cli.tracking import server
 
     if uri is None:
         uri = _preflight("train", []).config.tracking.uri

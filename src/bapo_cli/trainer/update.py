@@ -34,8 +34,8 @@ import torch
 
 from bapo_cli.algos import diagnostics, losses
 from bapo_cli.algos.bounds import BapoBounds, BoundSearch, rho_from_sums
+from bapo_cli.rollout.scoring import MicroBatch, token_logprobs
 from bapo_cli.trainer.distributed import DistContext
-from bapo_cli.trainer.policy import MicroBatch, token_logprobs
 
 Tensor = torch.Tensor
 
