@@ -67,7 +67,7 @@ def child(spec: dict) -> dict:
     from bapo_cli.config.schema import LoraConfig
     from bapo_cli.models import lora
     from bapo_cli.rollout.base import Sample
-    from bapo_cli.trainer.policy import ResponseLogits, collate
+    from bapo_cli.rollout.scoring import ResponseLogits, collate
     from bapo_cli.trainer.update import LossSpec, optimizer_update
 
     torch.manual_seed(0)

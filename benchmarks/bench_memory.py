@@ -16,7 +16,7 @@ per token in a real model), for three ways of getting the per-token log-probs an
   - trl:   TRL's GRPOTrainer helpers on the same logits: `selective_log_softmax` and
            `entropy_from_logits` (no grad), TRL being a benchmark-only dependency
            (`pip install 'bapo-cli[bench]'`);
-  - new:   `bapo_cli.trainer.logprobs.chunked_logprobs` through `ResponseLogits` (the trainer's).
+  - new:   `bapo_cli.rollout.logprobs.chunked_logprobs` through `ResponseLogits` (the trainer's).
 
 Each configuration runs in a fresh process. Memory added: on CPU the peak RSS during the update
 minus the RSS before it (after a 1-token warm-up update that allocates AdamW's state); on CUDA
@@ -94,7 +94,7 @@ def _model(spec: dict, device, dtype):
 
 def _full_logits_scorer(model, how: str, autocast):
     """The old path or TRL's, as a ResponseLogits (what the trainer's update calls)."""
-    from bapo_cli.trainer.policy import ResponseLogits
+    from bapo_cli.rollout.scoring import ResponseLogits
 
     class FullLogits(ResponseLogits):
         def forward(self, input_ids, attention_mask, gather_pos, targets, rows, cols, t, entropy):
@@ -112,7 +112,7 @@ def _full_logits(
     import torch
 
     from bapo_cli.models.loading import autocast_to
-    from bapo_cli.trainer.logprobs import full_vocab_logprobs
+    from bapo_cli.rollout.logprobs import full_vocab_logprobs
 
     model = scorer.model
     with autocast_to(scorer.autocast, input_ids.device):
@@ -161,7 +161,7 @@ def child(spec: dict) -> dict:
     """One configuration, in this fresh process: build, warm up, measure one update."""
     import torch
 
-    from bapo_cli.trainer.policy import ResponseLogits, collate, split_micro
+    from bapo_cli.rollout.scoring import ResponseLogits, collate, split_micro
     from bapo_cli.trainer.update import LossSpec, optimizer_update
 
     torch.set_num_threads(spec["threads"])
@@ -420,7 +420,7 @@ def main() -> None:
         print(json.dumps(child(json.loads(args.child))))
         return
     if args.chunk is None:
-        from bapo_cli.trainer.logprobs import DEFAULT_CHUNK
+        from bapo_cli.rollout.logprobs import DEFAULT_CHUNK
 
         args.chunk = DEFAULT_CHUNK
     if args.trl:

@@ -26,8 +26,8 @@ import torch
 
 from bapo_cli.algos.advantages import REGISTRY as ADVANTAGES
 from bapo_cli.rollout.base import Sample
+from bapo_cli.rollout.scoring import ResponseLogits, collate, token_logprobs
 from bapo_cli.trainer import distributed
-from bapo_cli.trainer.policy import ResponseLogits, collate, token_logprobs
 from bapo_cli.trainer.update import loss_spec, optimizer_update
 
 # hidden, layers, heads, kv heads, intermediate, vocab (Qwen2.5 shapes; tiny = a test model)

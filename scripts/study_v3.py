@@ -11,7 +11,7 @@ the grid:
     python scripts/study_v3.py answers sqlite:///outputs/mlflow.db
 
 p-values are the exact two-sided permutation p of `bapo report --baseline` (5 + 5 seeds: all 252
-relabelings), on the same unrounded values; Holm is `bapo report`'s too (`tracking.report.holm`).
+relabelings), on the same unrounded values; Holm is `bapo report`'s too (`bapo_cli.report.holm`).
 The script calls only the report's public names (`load_runs`, `label_runs`, `net_entropy_push`,
 `permutation_p`, `holm`, `ReportError`).
 """
@@ -22,8 +22,8 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass
 
-from bapo_cli.tracking import report
-from bapo_cli.tracking.report import holm, permutation_p
+from bapo_cli import report
+from bapo_cli.report import holm, permutation_p
 
 LRS = (1e-4, 3e-4, 6e-4, 1e-3)
 ARMS = ("reuse1", "reuse8", "lag8")

@@ -21,7 +21,7 @@ def _output_root(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Pa
     monkeypatch.setenv("BAPO_OUTPUT_ROOT", str(root))
     monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
     yield root
-    from bapo_cli.tracking import redact
+    from bapo_cli import redact
 
     redact.forget()  # secrets a test's command line held must not mask the next test's output
 

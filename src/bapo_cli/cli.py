@@ -50,7 +50,7 @@ _err = Console(stderr=True)
 
 
 def _fail(line: str) -> typer.Exit:
-    from bapo_cli.tracking import redact
+    from bapo_cli import redact
 
     line = redact.text(line)  # an override it quotes may hold credentials
     # the line quotes user text: a Text is printed as it is, never read as markup (`[/]`) or
@@ -93,8 +93,8 @@ def _launch(
     task,
     allow_existing: bool = False,
 ) -> None:
+    from bapo_cli import redact
     from bapo_cli.config import hydra_runner
-    from bapo_cli.tracking import redact
 
     redact.mask_log_records()  # Hydra logs every job's overrides as typed
     checked = _preflight(config_name, overrides, multirun)
@@ -357,7 +357,7 @@ def config(
     if docs:
         _print_docs(schema.TrainConfig if name == "train" else schema.EvalRunConfig)
         return
-    from bapo_cli.tracking import redact
+    from bapo_cli import redact
 
     checked = _preflight(name, overrides)
     cfg = hydra_runner.compose(name, checked.overrides)
@@ -385,8 +385,7 @@ def runs(
     limit: int = typer.Option(20, help="Newest N runs."),
 ) -> None:
     """List tracked runs in the MLflow store, newest first."""
-    from bapo_cli import tracking
-    from bapo_cli.tracking import redact
+    from bapo_cli import redact, tracking
 
     if uri is None:
         uri = _preflight("train", []).config.tracking.uri
@@ -453,7 +452,7 @@ def report(
     """Compare runs: a table (markdown, CSV) and plots per metric, logged to the sweep's parent."""
     import time
 
-    from bapo_cli.tracking import report as rep
+    from bapo_cli import report as rep
 
     if sum(x is not None and x != [] for x in (run_ids, sweep, experiment)) != 1:
         raise _fail("give exactly one of --sweep DIR, --experiment NAME or RUN_ID...")
@@ -488,7 +487,8 @@ def ui(
 ) -> None:
     """Open the MLflow UI on the tracking store (runs `mlflow ui`; Ctrl-C, SIGTERM and SIGHUP
     stop all of it, its output is relayed masked: bapo_cli.tracking.server.run_ui)."""
-    from bapo_cli.tracking import redact, server
+    from bapo_cli import redact
+    from bapo_cli.tracking import server
 
     if uri is None:
         uri = _preflight("train", []).config.tracking.uri

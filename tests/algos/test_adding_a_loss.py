@@ -19,7 +19,7 @@ from bapo_cli.config import hydra_runner, schema
 from bapo_cli.config.errors import ConfigError
 from bapo_cli.config.preflight import to_validated
 from bapo_cli.launch import plan
-from bapo_cli.trainer.policy import ResponseLogits, collate
+from bapo_cli.rollout.scoring import ResponseLogits, collate
 from bapo_cli.trainer.train import _step_metrics
 from bapo_cli.trainer.update import loss_spec, optimizer_update
 from tests.algos.test_losses import LOSS_METRICS

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from bapo_cli.algos import ess, proximal, vcpo
 from bapo_cli.algos.losses import AGGREGATIONS, policy_loss
 from bapo_cli.rollout.base import Sample
-from bapo_cli.trainer.policy import collate
+from bapo_cli.rollout.scoring import collate
 from bapo_cli.trainer.update import tis_weights
 from tests.algos.test_losses import LOSS_METRICS, loss_and_grad
 from tests.algos.test_rivals import KINDS, check, reduce, rival_batch, verl_clip_cov

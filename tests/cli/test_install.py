@@ -60,7 +60,7 @@ def test_wheel_install_ships_configs_and_works_from_another_directory(tmp_path: 
         timeout=300,
     )
     assert (target / "bapo_cli" / "conf" / "train.yaml").is_file()
-    for name in ("tiny", "tiny_pairs"):  # the shipped warmed-up models (models/release.py)
+    for name in ("tiny", "tiny_pairs"):  # the shipped warmed-up models (launch/testbed.py)
         weights = target / "bapo_cli" / "models" / "weights" / name
         assert {"model.safetensors", "tokenizer.json", "build_info.json"} <= {
             p.name for p in weights.iterdir()

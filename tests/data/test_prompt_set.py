@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import json
-import sys
-import types
 from pathlib import Path
 
 import pytest
 
 from bapo_cli.config.schema import DataConfig
+from bapo_cli.data import datasets
 from bapo_cli.data.datasets import build_prompt_set, filter_long
 from bapo_cli.data.records import DataError
 from bapo_cli.data.tasks import arith_reward
@@ -86,13 +85,15 @@ def test_dataset_rows_skipped_and_field_names(tmp_path: Path) -> None:
 def test_dataset_reward_uses_the_math_grader(tmp_path: Path, monkeypatch) -> None:
     (tmp_path / "p.jsonl").write_text(json.dumps({"problem": "1+1?", "answer": "2"}) + "\n")
     ps = build_prompt_set(DataConfig(kind="dataset", path=str(tmp_path / "p.jsonl")))
-    fake = types.ModuleType("bapo_cli.rewards")
-    fake.grade = lambda response, reference: response.endswith("\\boxed{" + reference + "}")
-    monkeypatch.setitem(sys.modules, "bapo_cli.rewards", fake)
+    calls = []
+
+    def fake_grade(response: str, reference: str) -> bool:
+        calls.append((response, reference))
+        return response.endswith("\\boxed{" + reference + "}")
+
+    monkeypatch.setattr(datasets, "grade", fake_grade)
     assert ps.reward_fn("so \\boxed{2}", "2") == 1.0 and ps.reward_fn("3", "2") == 0.0
-    monkeypatch.setitem(sys.modules, "bapo_cli.rewards", None)  # the grader is not there
-    with pytest.raises(DataError, match="bapo_cli.rewards.grade"):
-        ps.reward_fn("\\boxed{2}", "2")
+    assert calls == [("so \\boxed{2}", "2"), ("3", "2")]
 
 
 def test_bad_template_fails_when_built() -> None:

@@ -10,11 +10,12 @@ from pathlib import Path
 import mlflow
 import pytest
 
+from bapo_cli import report
 from bapo_cli.config.preflight import preflight
 from bapo_cli.evaluation import failures
 from bapo_cli.models.tiny import SHIPPED_ROOT
-from bapo_cli.tracking import flatten, report
-from bapo_cli.tracking.report.failures import failure_table
+from bapo_cli.report.failures import failure_table
+from bapo_cli.tracking import flatten
 
 SHIPPED = SHIPPED_ROOT / "tiny_pairs"
 # the model.tiny.* params a `model=tiny_pairs` run records (MLflow params: strings)

@@ -14,8 +14,9 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
+from bapo_cli import redact
 from bapo_cli.launch import plan, rundir
-from bapo_cli.tracking import redact, store
+from bapo_cli.tracking import store
 
 PW = "Pw0rd-s3cr3t"
 

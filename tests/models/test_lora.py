@@ -13,7 +13,7 @@ from bapo_cli.config.schema import LoraConfig
 from bapo_cli.models import loading as models
 from bapo_cli.models import lora
 from bapo_cli.rollout.base import Sample
-from bapo_cli.trainer.policy import collate, token_logprobs
+from bapo_cli.rollout.scoring import collate, token_logprobs
 
 SAMPLES = [  # prompt + response token ids of the tiny vocabulary
     Sample([1, 52, 43, 56], 0, None, [57, 58, 59, 2], versions=[0] * 4),

@@ -17,7 +17,7 @@ import torch
 from bapo_cli.config.preflight import preflight
 from bapo_cli.models import loading as models
 from bapo_cli.rollout.base import Generation, Request, Sample
-from bapo_cli.trainer.policy import collate, record_behaviour, token_logprobs
+from bapo_cli.rollout.scoring import collate, record_behaviour, token_logprobs
 
 
 @pytest.fixture(scope="session")

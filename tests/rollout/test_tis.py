@@ -8,7 +8,7 @@ import torch
 
 from bapo_cli.rollout.base import FINISH_STOP, Generation, Request, Sample, SamplingParams
 from bapo_cli.rollout.collect import Collector
-from bapo_cli.trainer.policy import collate
+from bapo_cli.rollout.scoring import collate
 from bapo_cli.trainer.update import tis_weights
 
 

@@ -15,7 +15,7 @@ from rich.console import Console
 from bapo_cli.config.schema import LoraConfig
 from bapo_cli.models import lora
 from bapo_cli.rollout.base import Request, Sample, SamplingParams
-from bapo_cli.trainer.policy import ResponseLogits, collate
+from bapo_cli.rollout.scoring import ResponseLogits, collate
 from bapo_cli.trainer.update import LossSpec, optimizer_update
 from tests.rollout.conftest import trainer_logprobs
 

@@ -8,8 +8,8 @@ import pytest
 from mlflow.tracking import MlflowClient
 from typer.testing import CliRunner
 
+from bapo_cli import report
 from bapo_cli.cli import app
-from bapo_cli.tracking import report
 
 runner = CliRunner()
 

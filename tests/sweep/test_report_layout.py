@@ -1,4 +1,4 @@
-"""`bapo report`'s code, one module per thing it makes (tracking/report/): each small, imported
+"""`bapo report`'s code, one module per thing it makes (bapo_cli/report/): each small, imported
 one way, the evaluation stack only for `--failures`, and scripts/study_v3.py calling only the
 report's public names. (What the report writes is tested in test_report.py and test_facets.py.)"""
 
@@ -9,11 +9,11 @@ import os
 import subprocess
 import sys
 
-from bapo_cli.tracking import report
-from bapo_cli.tracking.report import stats
+from bapo_cli import report
+from bapo_cli.report import stats
 from tests.conftest import REPO
 
-PACKAGE = REPO / "src" / "bapo_cli" / "tracking" / "report"
+PACKAGE = REPO / "src" / "bapo_cli" / "report"
 ORDER = ("runs", "columns", "labels", "stats", "tables", "plots", "failures", "__init__")
 """The modules in the order they build on each other: each imports only those before it."""
 
@@ -21,7 +21,7 @@ ORDER = ("runs", "columns", "labels", "stats", "tables", "plots", "failures", "_
 def _report_imports(module: str) -> set[str]:
     """The report modules `module` imports, function bodies included."""
     tree = ast.parse((PACKAGE / f"{module}.py").read_text(encoding="utf-8"))
-    prefix = "bapo_cli.tracking.report."
+    prefix = "bapo_cli.report."
     return {
         node.module.removeprefix(prefix)
         for node in ast.walk(tree)
@@ -40,7 +40,7 @@ def test_one_module_per_part_each_small_and_imported_one_way() -> None:
 def test_a_plain_report_loads_neither_torch_nor_the_evaluation_stack() -> None:
     code = (
         "import sys\n"
-        "import bapo_cli.tracking.report\n"
+        "import bapo_cli.report\n"
         "heavy = ('torch', 'bapo_cli.evaluation', 'matplotlib')\n"
         "print(sorted(m for m in heavy if m in sys.modules))"
     )
@@ -64,7 +64,7 @@ def test_study_v3_calls_only_public_report_names() -> None:
     used |= {
         alias.name
         for node in ast.walk(tree)
-        if isinstance(node, ast.ImportFrom) and node.module == "bapo_cli.tracking.report"
+        if isinstance(node, ast.ImportFrom) and node.module == "bapo_cli.report"
         for alias in node.names
     }
     assert used == {

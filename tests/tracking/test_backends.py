@@ -221,7 +221,7 @@ def test_neither_library_is_imported_by_help_or_an_mlflow_run(tmp_path) -> None:
 
 
 def test_report_on_a_sweep_without_mlflow_says_so_in_one_line(tmp_path) -> None:
-    from bapo_cli.tracking.report import ReportError, sweep_store
+    from bapo_cli.report import ReportError, sweep_store
 
     def job(tracking_yaml: str) -> Path:
         sweep = tmp_path / f"sweep{len(list(tmp_path.iterdir()))}"

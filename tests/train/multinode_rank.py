@@ -15,9 +15,9 @@ import torch
 from bapo_cli.config.schema import LoraConfig
 from bapo_cli.models import lora
 from bapo_cli.rollout.base import Sample
+from bapo_cli.rollout.scoring import ResponseLogits, collate
 from bapo_cli.trainer import distributed
 from bapo_cli.trainer.distributed import DistContext
-from bapo_cli.trainer.policy import ResponseLogits, collate
 from bapo_cli.trainer.update import optimizer_update
 from tests.train.test_distributed import SPEC, _chunks, _global_batch, _model
 

@@ -19,8 +19,8 @@ from hypothesis import strategies as st
 
 from bapo_cli.algos import losses
 from bapo_cli.rollout.base import Sample
-from bapo_cli.trainer.logprobs import chunked_logprobs, full_vocab_logprobs
-from bapo_cli.trainer.policy import ResponseLogits, collate, token_logprobs
+from bapo_cli.rollout.logprobs import chunked_logprobs, full_vocab_logprobs
+from bapo_cli.rollout.scoring import ResponseLogits, collate, token_logprobs
 
 F32 = {"rtol": 1e-5, "atol": 1e-5}
 BF16 = {"rtol": 2**-7, "atol": 2**-7}

@@ -13,8 +13,8 @@ import torch.multiprocessing as mp
 
 from bapo_cli.algos.advantages import REGISTRY as ADVANTAGES
 from bapo_cli.rollout.base import Sample
+from bapo_cli.rollout.scoring import ResponseLogits, collate, token_logprobs
 from bapo_cli.trainer.distributed import DistContext
-from bapo_cli.trainer.policy import ResponseLogits, collate, token_logprobs
 from bapo_cli.trainer.update import LossSpec, optimizer_update
 from tests.conftest import run_bapo
 

@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 
 from bapo_cli.algos.advantages import REGISTRY as ADVANTAGES
 from bapo_cli.rollout.base import Sample
-from bapo_cli.trainer.policy import (
+from bapo_cli.rollout.scoring import (
     ResponseLogits,
     collate,
     pack_by_tokens,

@@ -13,7 +13,7 @@ import torch
 
 from bapo_cli.config import hydra_runner
 from bapo_cli.config.preflight import PreflightError, preflight
-from bapo_cli.trainer.policy import ResponseLogits
+from bapo_cli.rollout.scoring import ResponseLogits
 from tests.train.conftest import run_train
 
 # reuse k=2: the first update of a step is on-policy, the second one update stale

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from bapo_cli.rollout.base import Sample
-from bapo_cli.trainer.policy import ResponseLogits, collate, token_logprobs
+from bapo_cli.rollout.scoring import ResponseLogits, collate, token_logprobs
 from bapo_cli.trainer.train import TrainState, _account_update, _step_metrics
 from bapo_cli.trainer.update import LossSpec, UpdateResult, optimizer_update
 from tests.train.test_distributed import SPEC, _global_batch, _model

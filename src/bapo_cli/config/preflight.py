@@ -350,7 +350,7 @@ def _compose_checked(config_name: str, overrides: list[str]) -> tuple[Any, DictC
         config = to_validated(cfg)
     except ConfigError as exc:
         raise PreflightError(exc.line()) from exc
-    from bapo_cli.tracking import redact
+    from bapo_cli import redact
 
     redact.remember_tree(dataclasses.asdict(config))  # resolved values: ${oc.env:...} URIs
     if isinstance(config, schema.TrainConfig):
@@ -403,7 +403,7 @@ def check_reward_fn(spec: str) -> None:
 
 def preflight(config_name: str, overrides: list[str], *, multirun: bool = False) -> Preflight:
     """Normalise, check and compose; raise PreflightError (one readable line) if anything is off."""
-    from bapo_cli.tracking import redact
+    from bapo_cli import redact
 
     redact.remember_overrides(list(overrides))  # masked as literals in every line shown from now
     overrides = hydra_runner.normalize_overrides(list(overrides))

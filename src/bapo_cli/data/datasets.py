@@ -23,20 +23,15 @@ from bapo_cli.data.formats import render_plain
 from bapo_cli.data.pairs import PAIRS_TEMPLATE, PairTask, named_pair, pairs_reward
 from bapo_cli.data.records import DataError, load_records
 from bapo_cli.data.tasks import ARITH_TEMPLATE, ArithTask, Problem, arith_reward, clean_response
+from bapo_cli.rewards import grade
 
 RewardFn = Callable[[str, str], float]
 T = TypeVar("T")
 
 
 def math_reward(response: str, reference: str) -> float:
-    """Math grading by `bapo_cli.rewards.grade` (math-verify), imported when first used."""
-    try:
-        from bapo_cli.rewards import grade
-    except ImportError as err:
-        raise DataError(
-            f"data.kind=dataset grades answers with bapo_cli.rewards.grade, which is not "
-            f"available ({err})"
-        ) from None
+    """Math grading by `bapo_cli.rewards.grade` (math-verify, loaded by its grading worker on
+    first use: importing `rewards` costs milliseconds)."""
     return float(grade(response, reference))
 
 

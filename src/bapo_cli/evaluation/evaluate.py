@@ -27,13 +27,19 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from bapo_cli.config.preflight import preflight
+from bapo_cli.config.schema import BenchmarkConfig
+from bapo_cli.data import shipped
+from bapo_cli.data.datasets import SYNTHETIC
 from bapo_cli.data.records import DataError, load_records
 from bapo_cli.data.tasks import Problem
 from bapo_cli.evaluation import metrics as eval_metrics
 from bapo_cli.models import hub
 from bapo_cli.models import loading as models
 from bapo_cli.rewards import GradeReport, MathGrader, extract_answer, grade_batch
-from bapo_cli.rollout.base import Request, SamplingParams
+from bapo_cli.rewards.plugin import PythonReward
+from bapo_cli.rollout.base import Request, SamplingParams, make_engine, resolve_engine_name
+from bapo_cli.tracking import flatten, make_tracker, start_failure
 
 
 class EvalTrackingError(RuntimeError):
@@ -91,8 +97,6 @@ def load_problems(bench: Any, limit: int | None = None) -> tuple[list[Problem], 
     except DataError:
         if offline is None:
             raise
-        from bapo_cli.data import shipped
-
         ships = (
             f" (or the copy that ships: benchmark.path=shipped:{bench.name})"
             if bench.name in shipped.names()
@@ -180,9 +184,6 @@ def evaluate(cfg: Any, run_dir: Path, console: Console | None = None) -> dict[st
     """`bapo eval` for one benchmark config: results.json + samples.jsonl + MLflow + table."""
     import transformers
 
-    from bapo_cli.rollout.base import make_engine, resolve_engine_name
-    from bapo_cli.tracking import flatten, make_tracker, start_failure
-
     console = console or Console()
     transformers.utils.logging.disable_progress_bar()
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -253,8 +254,6 @@ def _eval_grader(cfg: Any, problems: list[Problem]) -> tuple[Any, Callable[..., 
     if cfg.reward.name != "python":
         grader = MathGrader(timeout_s=cfg.reward.timeout_s, workers=cfg.reward.workers)
         return grader, grader.grade_batch
-    from bapo_cli.rewards.plugin import PythonReward
-
     plugin = PythonReward(cfg.reward.fn, timeout_s=cfg.reward.timeout_s, workers=cfg.reward.workers)
     records = [p.as_record() for p in problems for _ in range(cfg.eval.n)]
 
@@ -321,9 +320,6 @@ def validation_sets(
     shipped with the package, or its HF id where the preset's path is cleared) or a local
     .jsonl/.json/.parquet file with fields id, problem, answer (named by its file stem), graded by
     `grader` (default: the shared math grader)."""
-    from bapo_cli.config.schema import BenchmarkConfig
-    from bapo_cli.data.datasets import SYNTHETIC
-
     math = {"template": EVAL_TEMPLATE, **({"grader": grader} if grader is not None else {})}
 
     out = []
@@ -342,8 +338,6 @@ def validation_sets(
         if Path(entry).suffix in (".jsonl", ".json", ".parquet"):
             bench = BenchmarkConfig(name=Path(entry).stem, path=entry)
         else:
-            from bapo_cli.config.preflight import preflight
-
             bench = preflight("eval", [f"benchmark={entry}"]).config.benchmark
         problems, _ = load_problems(bench, limit)
         out.append((bench.name, problems, dict(math)))

@@ -23,8 +23,20 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from bapo_cli.config.schema import TinyModelConfig
+from bapo_cli.data.datasets import SYNTHETIC
 from bapo_cli.data.pairs import FAILURE_CLASSES, PAIRS_MAX_TOKENS, failure_class
-from bapo_cli.evaluation.evaluate import SYNTHETIC_VAL_PROBLEMS
+from bapo_cli.evaluation.evaluate import (
+    SYNTHETIC_VAL_PROBLEMS,
+    VAL_SAMPLING,
+    _reward_grader,
+    evaluate_benchmark,
+)
+from bapo_cli.models import tiny
+from bapo_cli.models.loading import load_checkpoint
+from bapo_cli.rollout.base import SamplingParams
+from bapo_cli.rollout.hf import HFEngine
+from bapo_cli.seeding import seed_everything
 
 CLASSES = ("correct", *FAILURE_CLASSES)
 """Every sample is in exactly one of these; the shares of a checkpoint sum to 1."""
@@ -67,15 +79,8 @@ def sample_checkpoint(
     """Counts per class of `n` samples per held-out problem from the weights in `model_dir`
     (a checkpoint or the shipped model), sampled as the trainer validates (`max_model_len` the
     preset's, 96 for `model=tiny_pairs`), every generator seeded with `seed` as
-    `models.release` measures the shipped weights' held-out avg@8."""
+    `launch.testbed` measures the shipped weights' held-out avg@8."""
     import transformers
-
-    from bapo_cli.data.datasets import SYNTHETIC
-    from bapo_cli.evaluation.evaluate import VAL_SAMPLING, _reward_grader, evaluate_benchmark
-    from bapo_cli.models.loading import load_checkpoint
-    from bapo_cli.rollout.base import SamplingParams
-    from bapo_cli.rollout.hf import HFEngine
-    from bapo_cli.trainer.checkpoint import seed_everything
 
     transformers.utils.logging.disable_progress_bar()  # one bar per checkpoint otherwise
     model, tokenizer = load_checkpoint(Path(model_dir))
@@ -146,9 +151,6 @@ def start_weights(params: dict[str, Any]) -> Path | None:
     path = params.get("model.path")
     if path == "tiny":
         from omegaconf import OmegaConf
-
-        from bapo_cli.config.schema import TinyModelConfig
-        from bapo_cli.models import tiny
 
         prefix = "model.tiny."
         recorded = {k[len(prefix) :]: v for k, v in params.items() if k.startswith(prefix)}

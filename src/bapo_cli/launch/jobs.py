@@ -17,11 +17,11 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 from rich.console import Console
 
+from bapo_cli import redact
 from bapo_cli.config.errors import USAGE_EXIT_CODE, ConfigError
 from bapo_cli.config.preflight import to_validated
 from bapo_cli.launch import plan
 from bapo_cli.launch.runlog import LoggedConsole, log, quiet_libraries
-from bapo_cli.tracking import redact
 
 SWEPT_ENV = "BAPO_SWEPT_KEYS"
 """Set by a grouped sweep (bapo_cli.launch.sweep) for every job: the override keys whose values

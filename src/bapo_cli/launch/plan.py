@@ -13,8 +13,8 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from bapo_cli import redact
 from bapo_cli.config.schema import EvalRunConfig, TrainConfig
-from bapo_cli.tracking import redact
 
 
 def resolve_engine(name: str, device: str | None = None) -> tuple[str, str]:

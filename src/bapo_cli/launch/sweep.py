@@ -21,10 +21,9 @@ from typing import Any
 
 from rich.console import Console
 
-from bapo_cli import tracking
+from bapo_cli import redact, tracking
 from bapo_cli.config import hydra_runner
 from bapo_cli.launch.jobs import SWEPT_ENV
-from bapo_cli.tracking import redact
 from bapo_cli.trainer.progress import ui_command
 
 

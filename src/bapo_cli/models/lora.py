@@ -7,7 +7,7 @@
 Only the adapters train: `apply` freezes the base weights (PEFT does) and the trainer hands the
 optimizer the parameters that still require a gradient, so AdamW state and DDP's all-reduce cover
 the adapters alone. Dropout is fixed at 0: RL needs the policy that samples to be the policy that
-is scored (`trainer.policy.disable_dropout` for the same reason).
+is scored (`rollout.scoring.disable_dropout` for the same reason).
 
 The wrapped model is used where the plain one was: `ResponseLogits` calls `get_decoder()` and
 `get_output_embeddings()`, which a `PeftModel` forwards to the base model, whose linear layers
@@ -103,7 +103,7 @@ def apply(model: torch.nn.Module, lora: Any) -> torch.nn.Module:
 
 def _only_decoder_linears(model: Any, targets: list[str]) -> None:
     """Adapters on the decoder's linear layers only. The trainer applies the output layer's
-    weight itself, in chunks (`trainer.policy.ResponseLogits`), so an adapter there would be
+    weight itself, in chunks (`rollout.scoring.ResponseLogits`), so an adapter there would be
     trained by nobody yet merged into the engine's copy; an embedding adapter would, with tied
     embeddings, reach the engine's output layer but not the trainer's."""
     from peft.tuners.lora import LoraLayer

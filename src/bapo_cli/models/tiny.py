@@ -2,7 +2,7 @@
 
 `bapo train` (model=tiny) needs no download: the presets `model=tiny` and `model=tiny_pairs` load
 warmed-up weights that ship inside the package (`models/weights/<name>/`, made by
-`python -m bapo_cli.models.release build <name>`, recorded in its `build_info.json`). Any other
+`python -m bapo_cli.launch.testbed build <name>`, recorded in its `build_info.json`). Any other
 settings are built on first use: `ensure_tiny` builds a character-level tokenizer and a small
 Qwen2 (head_dim 64, since vLLM's CPU attention rejects 16), then runs a supervised warm-up of
 exactly `sft_steps` steps on the task `model.tiny.task` names -- a weak but non-zero start, like the
@@ -29,7 +29,7 @@ where <key> hashes the settings and `BUILD_VERSION`; a missing entry is rebuilt.
 deterministic for its settings on one machine (one torch thread, deterministic algorithms, fixed
 seeds): same settings, torch and CPU kernels -> the same weights bit for bit. Across machines the
 CPU kernels (MKL's GEMM, torch's vectorised reductions chosen by instruction set) round
-differently; `models/release.py` pins them for the shipped builds. The build runs in a temporary
+differently; `launch/testbed.py` pins them for the shipped builds. The build runs in a temporary
 sibling that is renamed into place after `COMPLETE_MARKER` is written, under a file lock, so a kill
 or two concurrent builds never leave a half-written entry.
 

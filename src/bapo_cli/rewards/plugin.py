@@ -42,7 +42,8 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from bapo_cli.rewards.guard import TimeLimitedWorker, fan_out
+from bapo_cli import redact
+from bapo_cli.rewards.guard import TimeLimitedWorker, child_env, fan_out
 from bapo_cli.rewards.math_grader import GradeReport
 
 __all__ = ["PythonReward", "RewardPluginError", "check_spec", "load_fn", "resolve_spec", "score"]
@@ -125,9 +126,6 @@ def check_spec(spec: str, timeout_s: float | None = None) -> None:
     `IMPORT_TIMEOUT_S`) and check it can be called as fn(response, reference, record).
     Raises RewardPluginError: one line, whether the import raised, hung, exited or crashed."""
     import subprocess
-
-    from bapo_cli.rewards.guard import child_env
-    from bapo_cli.tracking import redact
 
     limit = IMPORT_TIMEOUT_S if timeout_s is None else float(timeout_s)
     command = [sys.executable, "-m", WORKER_MODULE, "--check", spec]
@@ -341,8 +339,6 @@ class PythonReward:
             return self._error(str(err))
 
     def _error(self, message: str) -> tuple[str, float]:
-        from bapo_cli.tracking import redact
-
         with self._lock:
             first, self._logged_error = not self._logged_error, True
         if first:

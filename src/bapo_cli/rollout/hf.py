@@ -7,7 +7,7 @@ records the new policy version.
 
 Behaviour log-probs: this engine returns none. The trainer scores the sampled tokens with its own
 forward pass right after sampling, before any update, with the same weights and the same tensor
-layout as its first update (trainer/policy.py). The recorded log-probs are therefore exactly the
+layout as its first update (rollout/scoring.py). The recorded log-probs are therefore exactly the
 behaviour policy's, and an on-policy update sees a ratio of exactly 1. (The vLLM engine reports
 its own log-probs too; the trainer scores its tokens the same way and logs the gap as
 `rollout/logprob_abs_diff_*`.)

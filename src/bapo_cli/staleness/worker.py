@@ -62,7 +62,16 @@ from typing import Any
 
 import torch
 
-from bapo_cli.rollout.base import Sample, SamplingParams
+from bapo_cli.models import loading as models
+from bapo_cli.rollout.base import Sample, SamplingParams, make_engine
+from bapo_cli.rollout.collect import Collector
+from bapo_cli.rollout.scoring import (
+    ResponseLogits,
+    collate,
+    disable_dropout,
+    record_behaviour,
+    split_micro,
+)
 
 POLL_S = 0.5  # how often a waiting side checks that the other is still alive
 STOP_WAIT_S = 2.0  # how long `close()` waits for the worker to stop cleanly before signals
@@ -277,11 +286,6 @@ class _Generate:
 def _build(spec: WorkerSpec) -> _Generate:
     import transformers
 
-    from bapo_cli.models import loading as models
-    from bapo_cli.rollout.base import make_engine
-    from bapo_cli.rollout.collect import Collector
-    from bapo_cli.trainer.policy import ResponseLogits, disable_dropout
-
     # no progress bars: the trainer's is the one to watch, and tqdm's lock is a semaphore that a
     # killed worker would leave to the resource tracker
     transformers.utils.logging.disable_progress_bar()
@@ -317,8 +321,6 @@ def _build(spec: WorkerSpec) -> _Generate:
 def _score(scorer, pad_id: int, trainer: Any, temperature: float, samples: list[Sample]) -> None:
     """Behaviour log-probs with the weights that just sampled, split as the trainer splits
     micro-batches (trainer.micro_batch_size / micro_batch_tokens)."""
-    from bapo_cli.trainer.policy import collate, record_behaviour, split_micro
-
     size, tokens = trainer.micro_batch_size, trainer.micro_batch_tokens
     for micro in split_micro(samples, size=size, tokens=tokens):
         record_behaviour(scorer, collate(micro, pad_id, torch.device("cpu")), temperature)

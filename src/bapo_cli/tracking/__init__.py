@@ -1,5 +1,6 @@
 """Tracking: writing a run (trainer, `bapo eval`) to MLflow, W&B and/or TensorBoard, reading runs
-back from MLflow (`bapo runs`, `bapo report`) and tying a sweep's runs together. One module per job:
+back from MLflow (`bapo runs`, and `bapo report`, which is `bapo_cli.report`) and tying a sweep's
+runs together. One module per job:
 
 - backends.py: `make_tracker`, the registry of backends (`tracking.backends`), start failures
 - writer.py: `Tracker`, `NullTracker`, `BufferedTracker` (survives outages), `MlflowTracker`,
@@ -11,15 +12,11 @@ back from MLflow (`bapo runs`, `bapo report`) and tying a sweep's runs together.
 - store.py: the store behind a URI, created under a file lock; experiments and artifact location
 - reader.py: `list_runs` for `bapo runs`
 - sweep.py: a multirun's parent run, its jobs' tags and child runs
-- redact.py: secrets masked wherever they are recorded
-- report/: `bapo report`, one module per part (it reads runs back; its --failures part samples
-  checkpoints through `evaluation`, so it sits above the rest of tracking)
 
 The names below are the package's public face; callers import them from `bapo_cli.tracking`.
 Tests that patch a module constant patch it in the module that reads it (e.g. `writer`).
 """
 
-from bapo_cli.tracking import redact
 from bapo_cli.tracking.backends import BACKENDS, TrackerStartError, make_tracker, start_failure
 from bapo_cli.tracking.reader import RunRow, list_runs
 from bapo_cli.tracking.server import (
@@ -90,7 +87,6 @@ __all__ = [
     "list_runs",
     "make_tracker",
     "open_experiment",
-    "redact",
     "sqlite_path",
     "start_failure",
     "start_parent_run",

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from bapo_cli.tracking import redact
+from bapo_cli import redact
 from bapo_cli.tracking.fanout import FanoutTracker
 from bapo_cli.tracking.server import describe_failure
 from bapo_cli.tracking.writer import MlflowTracker, NullTracker, Tracker

@@ -9,7 +9,7 @@ import logging
 import os
 from typing import Any
 
-from bapo_cli.tracking import redact
+from bapo_cli import redact
 
 # Every tracking module logs here: users filter or silence one logger for all tracking warnings.
 logger = logging.getLogger("bapo_cli.tracking")

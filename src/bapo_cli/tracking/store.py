@@ -10,7 +10,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from bapo_cli.tracking import redact
+from bapo_cli import redact
 from bapo_cli.tracking.server import fail_fast_http
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from bapo_cli.tracking import redact
+from bapo_cli import redact
 from bapo_cli.tracking.server import hide_run_links
 from bapo_cli.tracking.store import client as store_client
 from bapo_cli.tracking.store import open_experiment

@@ -26,7 +26,8 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from bapo_cli.tracking import checks, redact
+from bapo_cli import redact
+from bapo_cli.tracking import checks
 from bapo_cli.tracking.server import describe_failure, logger
 from bapo_cli.tracking.spill import Metric
 from bapo_cli.tracking.writer import STEP_KEY, BufferedTracker

@@ -29,7 +29,7 @@ from itertools import groupby
 from pathlib import Path
 from typing import Any
 
-from bapo_cli.tracking import redact
+from bapo_cli import redact
 from bapo_cli.tracking.server import describe_failure, logger
 from bapo_cli.tracking.spill import Metric
 from bapo_cli.tracking.writer import BufferedTracker

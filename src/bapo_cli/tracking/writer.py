@@ -26,7 +26,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Protocol
 
-from bapo_cli.tracking import redact
+from bapo_cli import redact
 from bapo_cli.tracking.server import describe_failure, fail_fast_http, logger
 from bapo_cli.tracking.spill import (
     READ_ERRORS,

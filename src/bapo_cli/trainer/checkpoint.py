@@ -42,6 +42,10 @@ from typing import Any
 import numpy as np
 import torch
 
+# re-exported: train.py seeds through `checkpoint.seed_everything` (the generators' states are
+# saved and restored here); the function lives in the ground-floor `bapo_cli.seeding`
+from bapo_cli.seeding import seed_everything  # noqa: F401
+
 MARKER = "COMPLETE"
 # what says how to load the weights: a whole model's config, or a LoRA adapter's (model.lora)
 WEIGHT_CONFIGS = ("config.json", "adapter_config.json")
@@ -313,9 +317,3 @@ def set_rng_state(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
-
-
-def seed_everything(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)

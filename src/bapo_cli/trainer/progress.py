@@ -26,7 +26,7 @@ from rich.progress import (
 from rich.table import Table
 from rich.text import Text
 
-from bapo_cli.tracking import redact
+from bapo_cli import redact
 
 LINES_PER_RUN = 20
 """Status lines a run prints at most by step count (plus the first and the last step)."""

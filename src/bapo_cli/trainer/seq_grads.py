@@ -21,7 +21,7 @@ import torch
 
 from bapo_cli.algos import ess as ess_lib
 from bapo_cli.algos import vcpo
-from bapo_cli.trainer.policy import MicroBatch, token_logprobs
+from bapo_cli.rollout.scoring import MicroBatch, token_logprobs
 
 Tensor = torch.Tensor
 

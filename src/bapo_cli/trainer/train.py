@@ -33,7 +33,7 @@ import transformers
 from omegaconf import OmegaConf
 from rich.console import Console
 
-from bapo_cli import threads
+from bapo_cli import redact, threads
 from bapo_cli.algos import advantages as adv_registry
 from bapo_cli.algos.bounds import rho_from_sums
 from bapo_cli.algos.shaping import overlong_penalty
@@ -43,13 +43,7 @@ from bapo_cli.models import loading as models
 from bapo_cli.models import lora
 from bapo_cli.rollout.base import Sample, SamplingParams, make_engine, resolve_engine_name
 from bapo_cli.rollout.collect import Collector, DynamicSampling
-from bapo_cli.staleness.regimes import REGIMES, Regime, make_regime
-from bapo_cli.staleness.worker import WorkerError
-from bapo_cli.tracking import RUN_DIR_TAG, flatten, make_tracker, redact, start_failure
-from bapo_cli.tracking.backends import where_lines as tracking_where_lines
-from bapo_cli.trainer import checkpoint, distributed
-from bapo_cli.trainer.interrupt import IDLE, ROLLOUT, UPDATE, GracefulStop, StepAbandoned
-from bapo_cli.trainer.policy import (
+from bapo_cli.rollout.scoring import (
     MicroBatch,
     ResponseLogits,
     collate,
@@ -57,6 +51,12 @@ from bapo_cli.trainer.policy import (
     record_behaviour,
     split_micro,
 )
+from bapo_cli.staleness.regimes import REGIMES, Regime, make_regime
+from bapo_cli.staleness.worker import WorkerError
+from bapo_cli.tracking import RUN_DIR_TAG, flatten, make_tracker, start_failure
+from bapo_cli.tracking.backends import where_lines as tracking_where_lines
+from bapo_cli.trainer import checkpoint, distributed
+from bapo_cli.trainer.interrupt import IDLE, ROLLOUT, UPDATE, GracefulStop, StepAbandoned
 from bapo_cli.trainer.progress import TrainProgress, print_summary
 from bapo_cli.trainer.prompts import PromptStream
 from bapo_cli.trainer.update import (
@@ -888,7 +888,7 @@ def _abandon(
 @torch.no_grad()
 def _recompute(model, mb: MicroBatch, temperature: float) -> torch.Tensor:
     """Decoupled PPO: pi_old re-scored by the current weights when the batch is first used."""
-    from bapo_cli.trainer.policy import token_logprobs
+    from bapo_cli.rollout.scoring import token_logprobs
 
     logp, _ = token_logprobs(model, mb, temperature)
     return logp
@@ -1068,7 +1068,7 @@ def _reference(
 
 def run_record(cfg: TrainConfig) -> tuple[dict[str, str], str]:
     """What a run records of its config in MLflow: the flattened params and config.yaml, with
-    URL credentials and secret-named values masked (bapo_cli.tracking.redact)."""
+    URL credentials and secret-named values masked (bapo_cli.redact)."""
     params = redact.params(flatten(cfg))
     tree = redact.tree(OmegaConf.to_container(OmegaConf.structured(cfg)))
     return params, OmegaConf.to_yaml(tree)

@@ -43,9 +43,9 @@ from bapo_cli.algos import diagnostics, losses
 from bapo_cli.algos import ess as ess_lib
 from bapo_cli.algos.bounds import BapoBounds, BoundSearch, rho_from_sums
 from bapo_cli.algos.proximal import loglinear_prox
+from bapo_cli.rollout.scoring import MicroBatch, token_logprobs
 from bapo_cli.trainer import seq_grads
 from bapo_cli.trainer.distributed import DistContext
-from bapo_cli.trainer.policy import MicroBatch, token_logprobs
 
 Tensor = torch.Tensor
 

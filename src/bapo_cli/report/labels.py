@@ -9,8 +9,8 @@ many sweeps are labelled, grouped and compared alike. Runs whose labels differ o
 
 from __future__ import annotations
 
-from bapo_cli.tracking.report.columns import COLUMNS
-from bapo_cli.tracking.report.runs import ReportError, RunData
+from bapo_cli.report.columns import COLUMNS
+from bapo_cli.report.runs import ReportError, RunData
 
 SEED_KEY = "trainer.seed"  # what varies within a group
 IGNORED = ("tracking", "paths", "hydra", "launcher", "sweeper", "trainer.resume")

@@ -12,7 +12,7 @@ rho, clip fractions and step time are means over all steps; "start rho" is the m
 
 from __future__ import annotations
 
-from bapo_cli.tracking.report.runs import VAL_KEY, RunData
+from bapo_cli.report.runs import VAL_KEY, RunData
 
 QUADRANTS = ("high_pos", "low_pos", "high_neg", "low_neg")  # diagnostics.QUADRANT_KEYS' order
 ENTROPY_EFFECT = {"high_pos": -1, "low_pos": +1, "high_neg": +1, "low_neg": -1}

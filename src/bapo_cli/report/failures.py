@@ -15,8 +15,8 @@ from pathlib import Path
 from rich.progress import track
 
 from bapo_cli.evaluation import failures
-from bapo_cli.tracking.report.runs import RunData
-from bapo_cli.tracking.report.tables import fmt
+from bapo_cli.report.runs import RunData
+from bapo_cli.report.tables import fmt
 
 
 def failure_table(

@@ -9,8 +9,8 @@ import math
 from pathlib import Path
 from typing import Any
 
-from bapo_cli.tracking.report.labels import facet_value, group_without
-from bapo_cli.tracking.report.runs import PLOTS, RunData
+from bapo_cli.report.labels import facet_value, group_without
+from bapo_cli.report.runs import PLOTS, RunData
 
 
 def _smooth(values: list[float], window: int) -> list[float]:

@@ -31,14 +31,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from bapo_cli.tracking import store
-from bapo_cli.tracking.report.columns import (
+from bapo_cli.report.columns import (
     COLUMNS,
     ENTROPY_EFFECT,
     QUADRANTS,
     net_entropy_push,
 )
-from bapo_cli.tracking.report.labels import (
+from bapo_cli.report.labels import (
     IGNORED,
     SEED_KEY,
     canonical,
@@ -48,8 +47,8 @@ from bapo_cli.tracking.report.labels import (
     label_keys,
     label_runs,
 )
-from bapo_cli.tracking.report.plots import plot
-from bapo_cli.tracking.report.runs import (
+from bapo_cli.report.plots import plot
+from bapo_cli.report.runs import (
     METRICS,
     PLOTS,
     QUADRANT_KEY,
@@ -60,20 +59,21 @@ from bapo_cli.tracking.report.runs import (
     saved_backends,
     sweep_store,
 )
-from bapo_cli.tracking.report.stats import (
+from bapo_cli.report.stats import (
     OUTCOMES,
     comparisons_table,
     group_rows,
     holm,
     permutation_p,
 )
-from bapo_cli.tracking.report.tables import (
+from bapo_cli.report.tables import (
     groups_table,
     markdown,
     quadrant_table,
     runs_table,
     write_csv,
 )
+from bapo_cli.tracking import store
 
 __all__ = [
     "COLUMNS",
@@ -159,7 +159,7 @@ def write_report(
         files += [out_dir / "quadrants.md", out_dir / "quadrants.csv"]
     if failures:
         # only here: sampling checkpoints loads torch and the evaluation stack (report.failures)
-        from bapo_cli.tracking.report.failures import failure_table
+        from bapo_cli.report.failures import failure_table
 
         table = failure_table(runs, out_dir / "failures_cache.json")
         if table is not None:

@@ -1,7 +1,7 @@
 """Rebuild the tiny models that ship with the package, and record how they were made.
 
-    python -m bapo_cli.models.release build tiny_pairs   # rewrites models/weights/tiny_pairs
-    python -m bapo_cli.models.release build tiny --out /tmp/tiny   # compared with the shipped
+    python -m bapo_cli.launch.testbed build tiny_pairs   # rewrites models/weights/tiny_pairs
+    python -m bapo_cli.launch.testbed build tiny --out /tmp/tiny   # compared with the shipped
 
 `model=tiny` and `model=tiny_pairs` load the warmed-up weights under `models/weights/<name>/`
 instead of building them on first use (`tiny.ensure_tiny`), so every machine starts from the same
@@ -36,6 +36,10 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+# torch and the package modules this tool drives (most of them load torch) are imported inside
+# the functions that use them: `main` re-executes itself with PINNED_ENV before torch loads, and
+# module-level imports would load torch in the first process too (seconds, for nothing).
+
 PINNED_ENV = {
     "MKL_CBWR": "AVX2",  # MKL's conditional numerical reproducibility: the AVX2 code path
     "ATEN_CPU_CAPABILITY": "avx2",  # torch's own vectorised kernels at AVX2
@@ -61,7 +65,7 @@ def preset(name: str) -> tuple[Any, int]:
     from bapo_cli.config.schema import TinyModelConfig
 
     if name not in SHIPPED:
-        raise SystemExit(f"release: {name}: not a shipped tiny model (one of {', '.join(SHIPPED)})")
+        raise SystemExit(f"testbed: {name}: not a shipped tiny model (one of {', '.join(SHIPPED)})")
     yaml = OmegaConf.load(Path(config_dir()) / "model" / f"{name}.yaml")
     merged = OmegaConf.merge(OmegaConf.structured(TinyModelConfig), yaml.tiny)
     cfg = TinyModelConfig(**OmegaConf.to_container(merged))  # type: ignore[arg-type]
@@ -83,7 +87,7 @@ def heldout_avg(directory: Path, task: str, max_model_len: int, seeds=VAL_SEEDS)
     from bapo_cli.evaluation import evaluate
     from bapo_cli.models.loading import load_checkpoint
     from bapo_cli.rollout.hf import HFEngine
-    from bapo_cli.trainer import checkpoint
+    from bapo_cli.seeding import seed_everything
 
     model, tokenizer = load_checkpoint(directory)
     spec = SYNTHETIC[task]
@@ -102,7 +106,7 @@ def heldout_avg(directory: Path, task: str, max_model_len: int, seeds=VAL_SEEDS)
     engine = HFEngine(model, tokenizer)
     per_seed = {}
     for seed in seeds:
-        checkpoint.seed_everything(seed)
+        seed_everything(seed)
         metrics = evaluate.validate(
             sets,
             engine,
@@ -143,7 +147,7 @@ def build(name: str, out: Path, argv: list[str], steps: int | None = None) -> di
     try:
         info = tiny.build_tiny(cfg, tmp, progress=sys.stderr.isatty())
         info["preset"] = name
-        info["command"] = "python -m bapo_cli.models.release " + shlex.join(argv)
+        info["command"] = "python -m bapo_cli.launch.testbed " + shlex.join(argv)
         info["environment"] = {k: os.environ.get(k) for k in PINNED_ENV}
         info["heldout_avg_at_8"] = heldout_avg(tmp, cfg.task, max_model_len)
         info["sha256"] = {f: sha256(tmp / f) for f in WEIGHT_FILES}
@@ -181,7 +185,7 @@ def compare(name: str, built: str, shipped: str | None) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    parser = argparse.ArgumentParser(prog="python -m bapo_cli.models.release", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m bapo_cli.launch.testbed", description=__doc__)
     sub = parser.add_subparsers(dest="verb", required=True)
     b = sub.add_parser("build", help="build a shipped tiny model and write its record")
     b.add_argument("name", choices=SHIPPED)
@@ -190,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if any(os.environ.get(k) != v for k, v in PINNED_ENV.items()):
         env = {**os.environ, **PINNED_ENV}
-        cmd = [sys.executable, "-m", "bapo_cli.models.release", *argv]
+        cmd = [sys.executable, "-m", "bapo_cli.launch.testbed", *argv]
         os.execve(sys.executable, cmd, env)  # torch reads the pins when it loads
     from bapo_cli.models.tiny import SHIPPED_ROOT
 

@@ -8,7 +8,7 @@ Layout: each row is prompt + response, right-padded. Response token j of row i i
 hidden state at position len(prompt_i) + j - 1 (`gather_pos`). Only the real response tokens
 (`token_rows`, `token_cols`, listed on the host when the batch is collated, so the forward needs no
 device sync to find them) go through the output layer, and only `chunk` of them at a time
-(`bapo_cli.trainer.logprobs`): no vocabulary-sized tensor grows with the number of tokens.
+(`bapo_cli.rollout.logprobs`): no vocabulary-sized tensor grows with the number of tokens.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import torch
 
 from bapo_cli.models.loading import autocast_to
 from bapo_cli.rollout.base import Sample
-from bapo_cli.trainer.logprobs import DEFAULT_CHUNK, chunked_logprobs
+from bapo_cli.rollout.logprobs import DEFAULT_CHUNK, chunked_logprobs
 
 Tensor = torch.Tensor
 
@@ -144,7 +144,7 @@ class ResponseLogits(torch.nn.Module):
     This is what DistributedDataParallel wraps and FSDP2 shards (their hooks need the whole
     computation, output layer included, to run inside the wrapper's forward); a causal LM whose
     logits are `lm_head(hidden)` (Qwen, Llama, Mistral, ...). The output layer is applied to the
-    real response tokens only, `chunk` tokens at a time (`bapo_cli.trainer.logprobs`): no
+    real response tokens only, `chunk` tokens at a time (`bapo_cli.rollout.logprobs`): no
     [tokens, V] tensor is ever held. `autocast`: run the forward in this dtype over float32
     weights (mixed precision)."""
 

@@ -10,9 +10,9 @@ from __future__ import annotations
 import csv
 from pathlib import Path
 
-from bapo_cli.tracking.report.columns import COLUMNS, QUADRANTS, mean, net_entropy_push
-from bapo_cli.tracking.report.runs import QUADRANT_KEY, RunData
-from bapo_cli.tracking.report.stats import group_rows
+from bapo_cli.report.columns import COLUMNS, QUADRANTS, mean, net_entropy_push
+from bapo_cli.report.runs import QUADRANT_KEY, RunData
+from bapo_cli.report.stats import group_rows
 
 
 def fmt(value: float | None) -> str:

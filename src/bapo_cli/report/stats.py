@@ -14,8 +14,8 @@ import itertools
 import math
 import random
 
-from bapo_cli.tracking.report.columns import COLUMNS
-from bapo_cli.tracking.report.labels import (
+from bapo_cli.report.columns import COLUMNS
+from bapo_cli.report.labels import (
     canonical,
     check_facet,
     facet_key,
@@ -23,7 +23,7 @@ from bapo_cli.tracking.report.labels import (
     group_without,
     label_runs,
 )
-from bapo_cli.tracking.report.runs import ReportError, RunData
+from bapo_cli.report.runs import ReportError, RunData
 
 
 def group_rows(runs: list[RunData]) -> list[tuple[str, int, dict[str, tuple[float, float] | None]]]:
