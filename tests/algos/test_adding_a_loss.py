@@ -20,7 +20,7 @@ from bapo_cli.config.errors import ConfigError
 from bapo_cli.config.preflight import to_validated
 from bapo_cli.launch import plan
 from bapo_cli.trainer.policy import ResponseLogits, collate
-from bapo_cli.trainer.train import _step_metrics
+from bapo_cli.trainer.step_metrics import step_metrics
 from bapo_cli.trainer.update import loss_spec, optimizer_update
 from tests.algos.test_losses import LOSS_METRICS
 from tests.train.test_distributed import _global_batch, _model
@@ -145,7 +145,7 @@ def test_a_registered_loss_trains_through_the_unchanged_update(toy) -> None:
     m["skipped"] = 0.0
     for s in samples:
         s.reward = float(s.advantage > 0)
-    logged = _step_metrics(
+    logged = step_metrics(
         samples,
         {},
         [m],

@@ -26,7 +26,7 @@ from bapo_cli.cli import app
 from bapo_cli.config import schema
 from bapo_cli.config.preflight import preflight
 from bapo_cli.tracking import MlflowTracker, redact
-from bapo_cli.trainer.train import run_record
+from bapo_cli.trainer.run_record import run_record
 from tests.conftest import BENCHMARKS, run_bapo
 
 PW = "Pw0rd-s3cr3t"  # appears nowhere else in any output
