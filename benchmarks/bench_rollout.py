@@ -52,7 +52,7 @@ def main() -> None:
     from bapo_cli.config.preflight import preflight
     from bapo_cli.models import loading as models
     from bapo_cli.rollout.base import Request, SamplingParams, make_engine
-    from bapo_cli.trainer.train import PromptStream
+    from bapo_cli.trainer.prompts import PromptStream
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--prompts", type=int, default=32)

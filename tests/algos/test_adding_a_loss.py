@@ -20,7 +20,7 @@ from bapo_cli.config.errors import ConfigError
 from bapo_cli.config.preflight import to_validated
 from bapo_cli.launch import plan
 from bapo_cli.rollout.scoring import ResponseLogits, collate
-from bapo_cli.trainer.train import _step_metrics
+from bapo_cli.trainer.step_metrics import step_metrics
 from bapo_cli.trainer.update import loss_spec, optimizer_update
 from tests.algos.test_losses import LOSS_METRICS
 from tests.train.test_distributed import _global_batch, _model
@@ -145,7 +145,7 @@ def test_a_registered_loss_trains_through_the_unchanged_update(toy) -> None:
     m["skipped"] = 0.0
     for s in samples:
         s.reward = float(s.advantage > 0)
-    logged = _step_metrics(
+    logged = step_metrics(
         samples,
         {},
         [m],
@@ -182,7 +182,7 @@ def test_the_toy_leaves_no_schema_behind(toy) -> None:
     schema.register()
     options = [job[0] for job in hydra_runner.expand_sweep(["algo=glob(_*)"])]
     assert options == [f"algo=_{loss}_schema" for loss in losses.REGISTRY.names()]
-    assert "toy" not in losses.REGISTRY and len(options) == 15
+    assert "toy" not in losses.REGISTRY and len(options) == 12
     losses.REGISTRY.register("toy", params=ToyParams)(toy_loss)  # for the fixture's teardown
 
 

@@ -1,6 +1,6 @@
 """Secrets never leave the machine in clear: credentials in `tracking.uri` and values of
 secret-named keys are masked in MLflow params, tags and the config.yaml artifact, in `bapo config`,
-the plan and summary tables, error lines and tracking warnings (bapo_cli.redact).
+the plan and summary tables, error lines and tracking warnings (bapo_cli.tracking.redact).
 
 The end-to-end test runs a sweep against a real `mlflow server` on 127.0.0.1 with
 `http://alice:<password>@127.0.0.1:<port>`: the server has no auth, so it ignores the basic-auth
@@ -26,7 +26,7 @@ from bapo_cli.cli import app
 from bapo_cli.config import schema
 from bapo_cli.config.preflight import preflight
 from bapo_cli.tracking import MlflowTracker
-from bapo_cli.trainer.train import run_record
+from bapo_cli.trainer.run_record import run_record
 from tests.conftest import BENCHMARKS, run_bapo
 
 PW = "Pw0rd-s3cr3t"  # appears nowhere else in any output

@@ -26,7 +26,7 @@ LOGPROB_TOL = 1e-4
 
 @pytest.fixture(scope="module")
 def prompts(train_cfg, policy):
-    from bapo_cli.trainer.train import PromptStream
+    from bapo_cli.trainer.prompts import PromptStream
 
     _, tokenizer = policy
     return PromptStream(train_cfg, tokenizer, Console(quiet=True))

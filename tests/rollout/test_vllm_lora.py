@@ -26,7 +26,7 @@ LOGPROB_TOL = 1e-4  # float32 on CPU, as tests/rollout/test_vllm_engine.py
 
 
 def test_engine_samples_the_merged_policy_after_a_lora_update(engine, policy, train_cfg) -> None:
-    from bapo_cli.trainer.train import PromptStream
+    from bapo_cli.trainer.prompts import PromptStream
 
     model, tokenizer = policy
     prompts = PromptStream(train_cfg, tokenizer, Console(quiet=True))

@@ -1,4 +1,4 @@
-"""Off-policy sequence masking at its call site (`trainer/train.py` `_prepare`): the masks the
+"""Off-policy sequence masking at its call site (`trainer/optimize.py` `_prepare`): the masks the
 pure functions compute (tests/algos/test_correction.py) reach the update, and each step says
 how many sequences they dropped (`rollout/seq_masked_frac`)."""
 

@@ -21,7 +21,7 @@ from mlflow.tracking import MlflowClient
 
 import bapo_cli
 from bapo_cli.config.preflight import preflight
-from bapo_cli.trainer import train as train_module
+from bapo_cli.trainer import run_record
 from tests.conftest import REPO
 from tests.train.conftest import run_train
 
@@ -126,9 +126,9 @@ def _repo_with(tmp_path: Path, package_at: str, project_name: str) -> tuple[Path
 
 def test_git_commit_is_this_checkouts_head() -> None:
     head = _git(REPO, "rev-parse", "HEAD")
-    assert train_module.source_commit() == head
+    assert run_record.source_commit() == head
     cfg = preflight("train", []).config
-    assert train_module._tags(cfg, "hf")["git_commit"] == head
+    assert run_record.run_tags(cfg, "hf")["git_commit"] == head
 
 
 def test_no_git_commit_from_a_repository_the_package_was_installed_into(tmp_path: Path) -> None:
@@ -138,8 +138,8 @@ def test_no_git_commit_from_a_repository_the_package_was_installed_into(tmp_path
     shutil.copytree(REPO / "conf", package / "conf")  # where a wheel keeps the configs
     probe = (
         "import bapo_cli; from bapo_cli.config.preflight import preflight; "
-        "from bapo_cli.trainer.train import _tags; print(bapo_cli.__file__); "
-        "print(_tags(preflight('train', []).config, 'hf').get('git_commit'))"
+        "from bapo_cli.trainer.run_record import run_tags; print(bapo_cli.__file__); "
+        "print(run_tags(preflight('train', []).config, 'hf').get('git_commit'))"
     )
     env = {**os.environ, "PYTHONPATH": str(package.parent)}
     done = subprocess.run(
@@ -149,14 +149,14 @@ def test_no_git_commit_from_a_repository_the_package_was_installed_into(tmp_path
     where, commit = done.stdout.split()
     assert Path(where).parent == package  # the copy ran, not this checkout
     assert head and commit == "None"
-    assert train_module.source_commit(package) is None
+    assert run_record.source_commit(package) is None
 
 
 def test_no_git_commit_from_another_project_with_the_same_layout(tmp_path: Path) -> None:
     package, head = _repo_with(tmp_path, "src/bapo_cli", "not-bapo")
-    assert head and train_module.source_commit(package) is None
+    assert head and run_record.source_commit(package) is None
 
 
 def test_git_commit_of_a_copy_of_the_bapo_cli_checkout(tmp_path: Path) -> None:
     package, head = _repo_with(tmp_path, "src/bapo_cli", "bapo-cli")
-    assert train_module.source_commit(package) == head
+    assert run_record.source_commit(package) == head

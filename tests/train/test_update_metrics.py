@@ -10,7 +10,9 @@ import torch
 
 from bapo_cli.rollout.base import Sample
 from bapo_cli.rollout.scoring import ResponseLogits, collate, token_logprobs
-from bapo_cli.trainer.train import TrainState, _account_update, _step_metrics
+from bapo_cli.trainer.optimize import account_update
+from bapo_cli.trainer.run import TrainState
+from bapo_cli.trainer.step_metrics import step_metrics
 from bapo_cli.trainer.update import LossSpec, UpdateResult, optimizer_update
 from tests.train.test_distributed import SPEC, _global_batch, _model
 
@@ -40,7 +42,7 @@ def _update(rho_pos, rho_neg, pos_before, neg_before, steps, no_grad=0.0) -> dic
 def _log(updates, searched: bool) -> dict[str, float]:
     batch = [Sample([1], 0, None, [2, 3], reward=1.0), Sample([1], 0, None, [4], reward=0.0)]
     optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
-    return _step_metrics(
+    return step_metrics(
         batch,
         {},
         updates,
@@ -124,12 +126,12 @@ def test_an_update_without_gradient_moves_neither_weights_nor_adamw_nor_version(
     state = TrainState(version=0, skipped_in_a_row=1)
     first = _run(model, optimizer, _micro(model, samples, "normal"), spec)
     before = _state(model, optimizer)
-    _account_update(first, state, scheduler, max_skipped=3)
+    account_update(first, state, scheduler, max_skipped=3)
     assert (state.version, state.skipped_in_a_row, scheduler.last_epoch) == (1, 0, 1)
 
     state.skipped_in_a_row = 2  # a non-finite streak is neither extended nor broken by it
     idle = _run(model, optimizer, _micro(model, samples, case), spec)
-    _account_update(idle, state, scheduler, max_skipped=3)
+    account_update(idle, state, scheduler, max_skipped=3)
     after = _state(model, optimizer)
     assert len(after) == len(before)
     assert all(torch.equal(a, b) for a, b in zip(after, before, strict=True))  # bit-identical
@@ -143,7 +145,7 @@ def test_an_update_without_gradient_moves_neither_weights_nor_adamw_nor_version(
 
     # the same samples with real advantages move everything again
     again = _run(model, optimizer, _micro(model, samples, "normal"), spec)
-    _account_update(again, state, scheduler, max_skipped=3)
+    account_update(again, state, scheduler, max_skipped=3)
     assert not again.no_grad and state.version == 2
     assert any(not torch.equal(a, b) for a, b in zip(_state(model, optimizer), after, strict=True))
 

@@ -1,6 +1,6 @@
 """Off-policy sequence masking, beside TIS/MIS (`rollout.seq_mask`): a whole response stops
 training when its tokens, on average, come from a policy too far from the one being trained.
-Pure functions on tensors; the trainer (`trainer/train.py` `_prepare`) gives them the per-token
+Pure functions on tensors; the trainer (`trainer/optimize.py` `_prepare`) gives them the per-token
 log-ratio the rule reads and multiplies the advantages by the 0/1 result.
 
     geo   (verl rollout_corr's geometric rejection, TRL's geometric mask): keep sequence i iff

@@ -14,7 +14,7 @@ default) and then sending SIGKILL. This launcher:
   raises once it has passed a signal on ends in exit 128 + N instead of a traceback;
 - exits 128 + the first signal it received once torchrun has ended, else torchrun's own code.
 The ranks handle the signals themselves (bapo_cli.trainer.interrupt) and agree on the step to
-stop at (bapo_cli.trainer.train).
+stop at (bapo_cli.trainer.stopping).
 """
 
 from __future__ import annotations
