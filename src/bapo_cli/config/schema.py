@@ -26,6 +26,7 @@ from typing import Any
 
 from omegaconf import MISSING
 
+from bapo_cli.config import servers as server_rules
 from bapo_cli.config.errors import ConfigError
 from bapo_cli.models.adapters import MAX_ALPHA as MAX_LORA_ALPHA
 from bapo_cli.models.adapters import MAX_RANK as MAX_LORA_RANK
@@ -317,12 +318,24 @@ class StalenessConfig:
         "async: newer weights pause the responses being generated, which continue with them "
         "(tokens stamped per version; AReaL's interruptible rollout)",
     )
+    weights: str = opt(  # generation servers (config/servers.py)
+        "shm",
+        "async: how new weights reach the generator: shm (a worker process on this machine) | "
+        "filesystem (safetensors under staleness.weights_dir, reloaded by every server of "
+        "rollout.servers) | nccl (refused: not built, docs/engines.md)",
+    )
+    weights_dir: str | None = opt(
+        None,
+        "filesystem: the directory versions are written to (every server must read it: a "
+        "shared filesystem across machines); null = <run dir>/weights",
+    )
 
     def check(self) -> None:
         _positive("k", self.k, allow_zero=True)
         _one_of("regime", self.regime, _regime_names())
         _positive("ppo_epochs", self.ppo_epochs)
         _regime(self.regime).check(self.k, self.ppo_epochs)
+        _one_of("weights", self.weights, server_rules.WEIGHT_TRANSPORTS)
         if self.interrupt and self.regime != "async":
             raise ConfigError(
                 "interrupt",
@@ -361,6 +374,11 @@ class DataConfig:
     template: str = opt(
         "{problem}\nPlease reason step by step, and put your final answer within \\boxed{{}}.",
         "prompt template; {problem} is replaced by the question",
+    )
+    server: str | None = opt(  # generation servers (config/servers.py)
+        None,
+        "score the model a running vLLM server serves (bapo serve, or vllm serve with its "
+        "flags) at this URL instead of loading its weights here; null = in this process",
     )
     num_prompts: int = opt(4096, "synthetic prompts generated (kind=arith or pairs)")
     seed: int = opt(0, "seed of the synthetic task and of prompt shuffling")
@@ -480,6 +498,11 @@ class RolloutConfig:
     gpu_memory_utilization: float = opt(0.5, "vLLM: share of GPU memory for weights + KV cache")
     tensor_parallel_size: int = opt(1, "vLLM: GPUs per engine")
     enable_sleep_mode: bool = opt(False, "vLLM on CUDA: free the KV cache while training")
+    servers: list[str] = opt(  # generation servers (config/servers.py)
+        [],
+        "staleness.regime=async: URLs of running vLLM generation servers (bapo serve) that "
+        "generate instead of a worker process, e.g. [http://127.0.0.1:8001]; [] = none",
+    )
     tis_cap: float | None = opt(
         None,
         "truncated importance sampling: weight each token by min(pi_trainer / pi_engine, cap), "
@@ -817,6 +840,7 @@ class TrainConfig:
                     "distribution while rollout.top_p < 1 / top_k > 0 truncate sampling (biased): "
                     "use top_p=1 and top_k=-1, or null",
                 )
+        server_rules.check_train(self)  # generation servers (config/servers.py)
         _regime(self.staleness.regime).check_run(self)  # the regime's rules across groups
 
 
@@ -833,6 +857,9 @@ class EvalRunConfig:
     tracking: TrackingConfig = opt(MISSING, "MLflow, W&B and/or TensorBoard tracking")
     eval: EvalConfig = opt(MISSING, "samples per problem and sampling")
     paths: PathsConfig = opt(MISSING, "output locations")
+
+    def check(self) -> None:
+        server_rules.check_eval(self)  # generation servers (config/servers.py)
 
 
 # ---------------------------------------------------------------------------------- validation

@@ -198,7 +198,7 @@ def train(
     stop = GracefulStop(_say(console), enabled=not ctx.enabled)
     try:
         # async: the generation worker starts from the weights and version training resumes at
-        run.regime.start(cfg, run.model, run.state.version)
+        run.regime.start(cfg, run.model, run.state.version, run_dir=run.run_dir)
         with stop:
             _loop(run, tracker, stop)
         status = "KILLED" if stop.requested else "FINISHED"
@@ -206,6 +206,9 @@ def train(
         status = "KILLED"
         raise
     except WorkerError as err:
+        if getattr(err, "checkpoint_first", False) and run.state.step > 0:  # no server left
+            _save(run, tracker)
+            raise TrainingError(f"{err}; step {run.state.step} is saved: {run.last_ckpt}") from err
         raise TrainingError(str(err)) from err
     finally:
         _close(run, tracker, status)
@@ -617,6 +620,7 @@ def _train_step(run: Run) -> dict[str, float]:
     metrics.update(layout)  # perf/pad_frac, perf/micro_batches
     metrics.update(run.collector.take_mismatch())  # rollout/logprob_abs_diff_* (engine)
     metrics.update(run.collector.take_dynamic())  # dynamic/* (algo.dynamic_sampling)
+    metrics.update(run.regime.take_metrics())  # servers/* (async on generation servers)
     metrics.update(run.prompts.watch(batch))  # reward/silent_steps; warns once when no signal
     if "overlong_penalty_mean" in adv_stats:
         metrics["reward/overlong_penalty_mean"] = adv_stats["overlong_penalty_mean"]
@@ -867,6 +871,7 @@ def _step_metrics(
         "c_high": "actor/c_high",
         "zero_mass": "actor/zero_mass_frac",
         "staleness_mean": "staleness/mean",
+        "trajectory_mean": "staleness/trajectory_mean",  # a response's oldest token
     }
     if searched:
         names.update(search_steps="bapo/search_steps", search_moved="bapo/search_moved_frac")
@@ -885,6 +890,9 @@ def _step_metrics(
             if f"actor/{key}" in out:
                 out[f"bapo/{key}"] = out[f"actor/{key}"]
     out["staleness/max"] = max((u.get("staleness_max", 0.0) for u in updates), default=0.0)
+    out["staleness/trajectory_max"] = max(
+        (u.get("trajectory_max", 0.0) for u in updates), default=0.0
+    )
     out["actor/ratio_max"] = max((u.get("ratio_max", 0.0) for u in updates), default=0.0)
     for key in updates[0] if updates else []:
         if key.startswith("quadrant_"):
