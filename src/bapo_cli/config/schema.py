@@ -375,11 +375,6 @@ class DataConfig:
         "{problem}\nPlease reason step by step, and put your final answer within \\boxed{{}}.",
         "prompt template; {problem} is replaced by the question",
     )
-    server: str | None = opt(  # generation servers (config/servers.py)
-        None,
-        "score the model a running vLLM server serves (bapo serve, or vllm serve with its "
-        "flags) at this URL instead of loading its weights here; null = in this process",
-    )
     num_prompts: int = opt(4096, "synthetic prompts generated (kind=arith or pairs)")
     seed: int = opt(0, "seed of the synthetic task and of prompt shuffling")
 
@@ -768,6 +763,11 @@ class EvalConfig:
     template: str = opt(
         "{problem}\nPlease reason step by step, and put your final answer within \\boxed{{}}.",
         "prompt template; {problem} is replaced by the question",
+    )
+    server: str | None = opt(  # generation servers (config/servers.py)
+        None,
+        "score the model a running vLLM server serves (bapo serve, or vllm serve with its "
+        "flags) at this URL instead of loading its weights here; null = in this process",
     )
 
     def check(self) -> None:

@@ -1,7 +1,8 @@
 """Config rules of generation servers: `rollout.servers`, `staleness.weights`,
 `staleness.weights_dir` (bapo train) and `eval.server` (bapo eval).
 
-These are rules on the config alone (no network, no torch): the schema calls them from its
+These are rules on the config alone (no network; torch only to resolve model.device=auto for
+`nccl`): the schema calls them from its
 `check()` methods so a bad combination costs one line before anything starts. Whether the
 servers answer and serve the run's model, and whether the weights directory can be written, is
 asked later by the CLI, still before the run dir is claimed (`staleness.servers.preflight`,
@@ -45,6 +46,15 @@ def check_url(key: str, url: Any) -> None:
         raise ConfigError(key, url, f"is not a server URL; {URL_FORM}") from None
 
 
+def _on_cuda(device: str) -> bool:
+    """model.device names CUDA (auto: CUDA when torch sees one; torch is imported only then)."""
+    if device == "auto":
+        import torch
+
+        return torch.cuda.is_available()
+    return device.startswith("cuda")
+
+
 def check_train(cfg: Any) -> None:
     """Cross-group rules of a training config (a `TrainConfig`)."""
     servers = list(cfg.rollout.servers)
@@ -63,7 +73,7 @@ def check_train(cfg: Any) -> None:
             "staleness.regime=async, or drop rollout.servers",
         )
     if weights == "nccl":
-        if cfg.model.device == "cpu":
+        if not _on_cuda(cfg.model.device):
             why = (
                 "off CUDA vLLM's NCCL weight transfer reports success and moves nothing "
                 "(vLLM PRs 57022/57374)"
