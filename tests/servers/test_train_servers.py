@@ -191,7 +191,7 @@ def _steps_logged(run_dir: Path) -> int:
 
 
 def test_kill_9_of_the_trainer_then_resume_trains_every_group_exactly_once(fleet, tmp_path) -> None:
-    steps, k = 24, 2
+    steps, k = 12, 2
     args = (
         f"staleness={k}",
         *servers_args(fleet),
