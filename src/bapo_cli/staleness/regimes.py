@@ -141,6 +141,19 @@ class Regime:
         raise NotImplementedError
 
     @classmethod
+    def lag_steps(cls, k: int) -> int:
+        """Steps between the one whose weights sample a token and the one that trains it."""
+        return k
+
+    @classmethod
+    def worst_staleness(cls, k: int, epochs: int) -> int:
+        """The most versions an update can trail the weights that sampled a token it trains.
+        Every step makes `updates_per_batch × epochs` updates, so a lag of L steps is L times
+        that many versions, and the batch's last update comes that many minus one after its
+        first: reuse and lag compound, (L + 1) × updates per step − 1."""
+        return (cls.lag_steps(k) + 1) * cls.updates_per_batch(k) * epochs - 1
+
+    @classmethod
     def check(cls, k: int, epochs: int) -> None:
         """Rules on the staleness group alone; a ConfigError keyed within it (`regime`, `k`)."""
         if k == 0:
@@ -190,6 +203,10 @@ class Reuse(Regime):
     @classmethod
     def updates_per_batch(cls, k: int) -> int:
         return max(k, 1)
+
+    @classmethod
+    def lag_steps(cls, k: int) -> int:
+        return 0  # sampled by the weights of the batch's first update
 
     @classmethod
     def describe(cls, k: int, epochs: int) -> str:
