@@ -344,9 +344,8 @@ class ServerPool:
             try:
                 self._check_one(server)
                 self._push_one(server, self.published, self.version, mode="abort")
-            except (ServerError, HTTPStatus) as exc:
-                server.last_error = str(exc)
-                return False
+            except (ServerError, HTTPStatus):
+                return False  # still down: `last_error` keeps why it went down
             server.alive = True
         self.events.append(f"back {server.url} at version {self.version}")
         return True
