@@ -26,7 +26,8 @@ from bapo_cli.models import loading as models
 from bapo_cli.models.errors import ModelLoadError
 from bapo_cli.models.pretrained import first_line
 from bapo_cli.rollout.base import eos_ids
-from bapo_cli.rollout.servers import ServerEngine, ServerPool, model_identity
+from bapo_cli.rollout.server_engine import ServerEngine
+from bapo_cli.rollout.servers import ServerPool, model_identity
 
 
 def _pool(cfg: Any) -> ServerPool:

@@ -56,7 +56,6 @@ from __future__ import annotations
 import contextlib
 import http.client
 import json
-import random
 import threading
 import time
 import urllib.error
@@ -71,7 +70,6 @@ from typing import Any
 
 import torch
 
-from bapo_cli.models import lora
 from bapo_cli.rollout import weights_fs
 from bapo_cli.rollout.base import (
     FINISH_BUDGET,
@@ -386,9 +384,16 @@ class ServerPool:
                 self._all_down()
 
     def close(self) -> None:
-        """Stop waiting: a `generate` in another thread raises PoolClosed within `revive_s`
-        (its requests still running on the servers finish there, unread)."""
+        """Stop waiting: a `generate` in another thread raises PoolClosed within `revive_s`.
+        Requests still running are aborted on their servers (`pause?mode=abort`, `resume`), so
+        this process does not wait at exit for answers nobody will read (Python joins the
+        request threads at exit)."""
         self.closed.set()
+        for server in self.servers:
+            if server.alive and server.in_flight > 0:
+                with contextlib.suppress(ServerError):
+                    _call(server.url, "POST", "/pause?mode=abort", None, CHECK_TIMEOUT_S)
+                    _call(server.url, "POST", "/resume", None, CHECK_TIMEOUT_S)
 
     def _push_one(self, server: Server, directory: Path | None, version: int, mode: str) -> None:
         url = server.url
@@ -572,62 +577,3 @@ def _token_versions(spans: Any, count: int, url: str) -> list[int]:
     if any(v is None for v in out):
         raise HTTPStatus(502, f"{url} did not say which weights sampled every token")
     return [int(v) for v in out if v is not None]
-
-
-def request_seeds(
-    count: int, params: SamplingParams, rng: random.Random | None = None
-) -> list[int]:
-    """One seed per request, as the colocated vLLM engine draws them: a base from torch's RNG
-    (seeded by trainer.seed and checkpointed) mixed with rollout.seed; or from `rng` (the async
-    worker's per-unit generator: seeds fixed by the data order, not by timing)."""
-    if rng is None:
-        base = int(torch.randint(0, 2**62, (1,)).item())
-        rng = random.Random(f"{params.seed}:{base}")
-    return [rng.getrandbits(63) for _ in range(count)]
-
-
-class ServerEngine:
-    """The rollout-engine interface (`rollout.base.RolloutEngine`) over a ServerPool, so the
-    Collector drives servers as it drives an in-process engine: `generate` spreads requests
-    (seeds drawn as the colocated vLLM engine draws them), every token stamped with the version
-    its server reports; `sync_weights` publishes the trainer's weights through the filesystem
-    (merged LoRA weights under the base's names), pausing responses in flight when
-    `interrupt` (staleness.interrupt) and waiting for them otherwise."""
-
-    name = "servers"
-
-    def __init__(self, pool: ServerPool, eos_ids: Sequence[int], *, interrupt: bool) -> None:
-        self.pool = pool
-        self.eos_ids = list(eos_ids)
-        self.interrupt = interrupt
-        self.last_publish: dict[str, float] = {}
-        # set by the async worker before each unit (its seeds then depend on the unit alone);
-        # None: drawn from torch's RNG, as the colocated vLLM engine draws them
-        self.seed_rng: random.Random | None = None
-
-    @property
-    def version(self) -> int:
-        return self.pool.version
-
-    def generate(
-        self,
-        requests: Sequence[Request],
-        params: SamplingParams,
-        interrupt: Any = None,
-    ) -> list[Generation]:
-        if interrupt is not None:
-            raise ValueError(
-                "generation servers take new weights mid-response through the weight push "
-                "(staleness.interrupt pauses them), not through an interrupt callback"
-            )
-        seeds = request_seeds(len(requests), params, self.seed_rng)
-        return list(self.pool.generate(requests, params, seeds, self.eos_ids))
-
-    def sync_weights(self, model: torch.nn.Module, version: int) -> float:
-        self.last_publish = self.pool.publish(
-            lora.engine_weights(model), version, interrupt=self.interrupt
-        )
-        return self.last_publish["total_s"]
-
-    def close(self) -> None:
-        """Nothing to stop: the servers are not this process's (bapo serve started them)."""

@@ -63,13 +63,8 @@ from bapo_cli.models import lora
 from bapo_cli.rollout import weights_fs
 from bapo_cli.rollout.base import Sample, eos_ids
 from bapo_cli.rollout.collect import Collector
-from bapo_cli.rollout.servers import (
-    PoolClosed,
-    ServerEngine,
-    ServerError,
-    ServerPool,
-    model_identity,
-)
+from bapo_cli.rollout.server_engine import ServerEngine
+from bapo_cli.rollout.servers import PoolClosed, ServerError, ServerPool, model_identity
 from bapo_cli.staleness.worker import POLL_S, WorkerError, unit_seed
 
 PROBE_TEXT = "The quick brown fox jumps over the lazy dog. 12 + 30 = 42, 7 * 6 = 42."
