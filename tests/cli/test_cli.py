@@ -47,7 +47,14 @@ def test_config_prints_bapo_section_with_paper_values() -> None:
     assert cfg["algo"]["low_range"] == [0.6, 0.9]
     assert cfg["algo"]["high_range"] == [1.2, 3.0]
     assert (cfg["algo"]["low_step"], cfg["algo"]["high_step"]) == (0.02, 0.05)
-    assert cfg["staleness"] == {"k": 4, "regime": "reuse", "ppo_epochs": 1, "interrupt": False}
+    assert cfg["staleness"] == {
+        "k": 4,
+        "regime": "reuse",
+        "ppo_epochs": 1,
+        "interrupt": False,
+        "weights": "shm",
+        "weights_dir": None,
+    }
     assert "hydra" not in cfg
 
 

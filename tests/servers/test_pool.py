@@ -21,12 +21,12 @@ import torch
 from bapo_cli.models import loading as models
 from bapo_cli.rollout import weights_fs
 from bapo_cli.rollout.base import FINISH_STOP, Request, SamplingParams
+from bapo_cli.rollout.server_engine import request_seeds
 from bapo_cli.rollout.servers import (
     ModelIdentity,
     ServerError,
     ServerPool,
     model_identity,
-    request_seeds,
 )
 
 pytestmark = pytest.mark.slow
@@ -261,7 +261,7 @@ def test_the_collector_drives_the_servers(fleet, policy, tmp_path) -> None:
     versions and engine log-probs beside the trainer's; `sync_weights` publishes a version."""
     from bapo_cli.rollout.base import eos_ids
     from bapo_cli.rollout.collect import Collector
-    from bapo_cli.rollout.servers import ServerEngine
+    from bapo_cli.rollout.server_engine import ServerEngine
     from tests.rollout.conftest import score_with
 
     model, tokenizer = policy

@@ -358,8 +358,9 @@ def test_a_dead_worker_stops_training_with_one_line(tmp_path) -> None:
         ),
         (
             ["model.device=cuda"],
-            "model.device=cuda: staleness.regime=async runs on CPU only (the CUDA path is "
-            "described in docs/engines.md, not built): use model.device=cpu",
+            "model.device=cuda: staleness.regime=async on CUDA generates on vLLM servers: needs "
+            "rollout.servers=[URL,...] and staleness.weights=filesystem (bapo serve, "
+            "docs/engines.md), or model.device=cpu",
         ),
         (
             ["algo=dapo"],

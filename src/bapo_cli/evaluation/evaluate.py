@@ -34,6 +34,7 @@ from bapo_cli.data.datasets import SYNTHETIC
 from bapo_cli.data.records import DataError, load_records
 from bapo_cli.data.tasks import Problem
 from bapo_cli.evaluation import metrics as eval_metrics
+from bapo_cli.evaluation import served
 from bapo_cli.models import hub
 from bapo_cli.models import loading as models
 from bapo_cli.rewards import GradeReport, MathGrader, extract_answer, grade_batch
@@ -190,10 +191,14 @@ def evaluate(cfg: Any, run_dir: Path, console: Console | None = None) -> dict[st
     problems, skipped = load_problems(cfg.benchmark, cfg.eval.limit)
     if not problems:
         raise DataError(f"benchmark {cfg.benchmark.name}: no problems to score")
-    model, tokenizer = models.load_policy(cfg.model)
-    model.eval()
-    engine_name = resolve_engine_name(cfg.rollout.name, next(model.parameters()).device)
-    engine = make_engine(engine_name, model=model, tokenizer=tokenizer, cfg=cfg)
+    if cfg.eval.server is not None:  # a running vLLM server generates (evaluation/served.py)
+        engine, tokenizer = served.served_engine(cfg)
+        engine_name = f"the server {cfg.eval.server}"
+    else:
+        model, tokenizer = models.load_policy(cfg.model)
+        model.eval()
+        engine_name = resolve_engine_name(cfg.rollout.name, next(model.parameters()).device)
+        engine = make_engine(engine_name, model=model, tokenizer=tokenizer, cfg=cfg)
     console.print(
         f"scoring {cfg.model.path} on {cfg.benchmark.name}: {len(problems)} problems × "
         f"{cfg.eval.n} samples with {engine_name}",

@@ -205,6 +205,7 @@ def train_job(cfg: DictConfig) -> float:
 def eval_job(cfg: DictConfig) -> float:
     """Score; returns avg@n (the objective a sweep over eval settings would maximize)."""
     from bapo_cli.evaluation.evaluate import EvalTrackingError, evaluate
+    from bapo_cli.rollout.servers import ServerError  # eval.server: the server failed
 
     config = _validated(cfg)
     run_dir = _run_dir()
@@ -214,6 +215,6 @@ def eval_job(cfg: DictConfig) -> float:
         results = evaluate(config, run_dir, console)
     except _user_errors() as err:
         _error(f"error: {err}", USAGE_EXIT_CODE)
-    except EvalTrackingError as err:
+    except (EvalTrackingError, ServerError) as err:
         _error(f"error: {err}", 1)
     return float(results[config.benchmark.name][f"avg@{config.eval.n}"])

@@ -46,6 +46,34 @@ def describe_staleness(k: int, regime: str, epochs: int) -> str:
     return REGIMES.get(regime).describe(k, epochs)
 
 
+def describe_worst_staleness(k: int, regime: str, epochs: int) -> str:
+    """The worst staleness an update can see, in versions: the regime's lag in steps compounded
+    with the updates each step makes (reuse's mini-batches × ppo_epochs)."""
+    from bapo_cli.staleness.regimes import REGIMES
+
+    cls = REGIMES.get(regime)
+    lag, worst = cls.lag_steps(k), cls.worst_staleness(k, epochs)
+    per_step = cls.updates_per_batch(k) * epochs
+    return (
+        f"{worst} version{'s' if worst != 1 else ''} (lag {lag} step{'s' if lag != 1 else ''} × "
+        f"{per_step} update{'s' if per_step != 1 else ''} per step, + {per_step - 1} on the same "
+        "batch)"
+    )
+
+
+def describe_generation(cfg: TrainConfig) -> str:
+    """Where an async run's samples come from: its worker process, or generation servers."""
+    servers = list(cfg.rollout.servers)
+    if not servers:
+        return "a worker process on this machine, weights through shared memory"
+    weights = cfg.staleness.weights_dir or "<run dir>/weights"
+    pause = "; a push pauses responses mid-way (interrupt)" if cfg.staleness.interrupt else ""
+    return (
+        f"{len(servers)} vLLM server{'s' if len(servers) > 1 else ''} ({', '.join(servers)}), "
+        f"weights by {cfg.staleness.weights} under {weights}{pause}"
+    )
+
+
 def describe_data(data: object) -> str:
     """The prompt source: a synthetic preset by name; a dataset by the file or hub id it reads
     (`data.path` wins over `data.hf_id`), never by the preset name it may have been composed
@@ -96,8 +124,15 @@ def train_rows(cfg: TrainConfig, run_dir: Path) -> list[tuple[str, str]]:
             "staleness",
             describe_staleness(cfg.staleness.k, cfg.staleness.regime, cfg.staleness.ppo_epochs),
         ),
+        (
+            "worst staleness",
+            describe_worst_staleness(
+                cfg.staleness.k, cfg.staleness.regime, cfg.staleness.ppo_epochs
+            ),
+        ),
         ("data", describe_data(cfg.data)),
         ("rollout", f"{engine} ({why}); n={cfg.rollout.n} T={cfg.rollout.temperature:g}"),
+        *([("generation", describe_generation(cfg))] if cfg.staleness.regime == "async" else []),
         ("batch", f"{cfg.trainer.prompts_per_step} prompts × {cfg.rollout.n} = {seqs} sequences"),
         ("steps", f"{cfg.trainer.max_steps} at lr {cfg.trainer.lr:g}, seed {cfg.trainer.seed}"),
         ("tracking", _tracking(cfg)),

@@ -56,7 +56,6 @@ from __future__ import annotations
 import contextlib
 import http.client
 import json
-import random
 import threading
 import time
 import urllib.error
@@ -71,7 +70,6 @@ from typing import Any
 
 import torch
 
-from bapo_cli.models import lora
 from bapo_cli.rollout import weights_fs
 from bapo_cli.rollout.base import (
     FINISH_BUDGET,
@@ -97,6 +95,10 @@ class ServerError(RuntimeError):
 
 class Unreachable(ServerError):
     """The connection failed: refused, reset, timed out."""
+
+
+class PoolClosed(ServerError):
+    """`close()` was called while requests were waiting: their answers are not wanted."""
 
 
 @dataclass(frozen=True)
@@ -181,7 +183,10 @@ class ServerPool:
         self.revive_s = revive_s
         self.version = 0  # the newest version published (what a server that comes back gets)
         self.published: Path | None = None  # its directory
-        self.lock = threading.Lock()
+        # pushes and revivals change which weights a server holds: one at a time (a revival
+        # must not load an older version while a push from another thread loads the newest)
+        self.lock = threading.RLock()
+        self.closed = threading.Event()  # close(): generate() stops waiting for answers
         self.events: list[str] = []  # one line per server going down or coming back
 
     # ------------------------------------------------------------------------------ start-up
@@ -263,8 +268,11 @@ class ServerPool:
         todo: deque[int] = deque(range(len(requests)))
         running: dict[Future, tuple[int, Server]] = {}
         workers = max(1, self.max_in_flight * len(self.servers))
-        with ThreadPoolExecutor(max_workers=min(workers, 256), thread_name_prefix="bapo-gen") as ex:
+        ex = ThreadPoolExecutor(max_workers=min(workers, 256), thread_name_prefix="bapo-gen")
+        try:
             while todo or running:
+                if self.closed.is_set():
+                    raise PoolClosed("the server pool was closed")
                 self._revive_due()
                 while todo:
                     server = self._least_loaded()
@@ -301,6 +309,8 @@ class ServerPool:
                         raise RuntimeError(f"request {i} answered twice")
                     out[i] = _served(answer, requests[i].max_tokens, server.url)
                     server.completed += 1
+        finally:  # closed: do not wait for answers nobody will read
+            ex.shutdown(wait=not self.closed.is_set(), cancel_futures=True)
         return [g for g in out if g is not None]
 
     def _least_loaded(self) -> Server | None:
@@ -328,13 +338,13 @@ class ServerPool:
     def revive(self, server: Server) -> bool:
         """A down server that answers again: checked (same model), given the newest weights,
         then used. False while it is still down."""
-        try:
-            self._check_one(server)
-            self._push_one(server, self.published, self.version, mode="abort")
-        except (ServerError, HTTPStatus) as exc:
-            server.last_error = str(exc)
-            return False
-        server.alive = True
+        with self.lock:
+            try:
+                self._check_one(server)
+                self._push_one(server, self.published, self.version, mode="abort")
+            except (ServerError, HTTPStatus):
+                return False  # still down: `last_error` keeps why it went down
+            server.alive = True
         self.events.append(f"back {server.url} at version {self.version}")
         return True
 
@@ -359,18 +369,31 @@ class ServerPool:
 
     def push(self, directory: Path | None, version: int, *, interrupt: bool) -> None:
         """Load the version in `directory` into every live server, in parallel."""
-        self.published, self.version = directory, version
-        live = [s for s in self.servers if s.alive]
-        mode = "keep" if interrupt else "wait"
-        with ThreadPoolExecutor(max_workers=max(1, len(live))) as ex:
-            futures = {ex.submit(self._push_one, s, directory, version, mode): s for s in live}
-            for future, server in futures.items():
-                try:
-                    future.result()
-                except (Unreachable, HTTPStatus) as exc:
-                    self._down(server, exc)
-        if not any(s.alive for s in self.servers):
-            self._all_down()
+        with self.lock:
+            self.published, self.version = directory, version
+            live = [s for s in self.servers if s.alive]
+            mode = "keep" if interrupt else "wait"
+            with ThreadPoolExecutor(max_workers=max(1, len(live))) as ex:
+                futures = {ex.submit(self._push_one, s, directory, version, mode): s for s in live}
+                for future, server in futures.items():
+                    try:
+                        future.result()
+                    except (Unreachable, HTTPStatus) as exc:
+                        self._down(server, exc)
+            if not any(s.alive for s in self.servers):
+                self._all_down()
+
+    def close(self) -> None:
+        """Stop waiting: a `generate` in another thread raises PoolClosed within `revive_s`.
+        Requests still running are aborted on their servers (`pause?mode=abort`, `resume`), so
+        this process does not wait at exit for answers nobody will read (Python joins the
+        request threads at exit)."""
+        self.closed.set()
+        for server in self.servers:
+            if server.alive and server.in_flight > 0:
+                with contextlib.suppress(ServerError):
+                    _call(server.url, "POST", "/pause?mode=abort", None, CHECK_TIMEOUT_S)
+                    _call(server.url, "POST", "/resume", None, CHECK_TIMEOUT_S)
 
     def _push_one(self, server: Server, directory: Path | None, version: int, mode: str) -> None:
         url = server.url
@@ -554,55 +577,3 @@ def _token_versions(spans: Any, count: int, url: str) -> list[int]:
     if any(v is None for v in out):
         raise HTTPStatus(502, f"{url} did not say which weights sampled every token")
     return [int(v) for v in out if v is not None]
-
-
-def request_seeds(count: int, params: SamplingParams) -> list[int]:
-    """One seed per request, as the colocated vLLM engine draws them: a base from torch's RNG
-    (seeded by trainer.seed and checkpointed) mixed with rollout.seed."""
-    base = int(torch.randint(0, 2**62, (1,)).item())
-    rng = random.Random(f"{params.seed}:{base}")
-    return [rng.getrandbits(63) for _ in range(count)]
-
-
-class ServerEngine:
-    """The rollout-engine interface (`rollout.base.RolloutEngine`) over a ServerPool, so the
-    Collector drives servers as it drives an in-process engine: `generate` spreads requests
-    (seeds drawn as the colocated vLLM engine draws them), every token stamped with the version
-    its server reports; `sync_weights` publishes the trainer's weights through the filesystem
-    (merged LoRA weights under the base's names), pausing responses in flight when
-    `interrupt` (staleness.interrupt) and waiting for them otherwise."""
-
-    name = "servers"
-
-    def __init__(self, pool: ServerPool, eos_ids: Sequence[int], *, interrupt: bool) -> None:
-        self.pool = pool
-        self.eos_ids = list(eos_ids)
-        self.interrupt = interrupt
-        self.last_publish: dict[str, float] = {}
-
-    @property
-    def version(self) -> int:
-        return self.pool.version
-
-    def generate(
-        self,
-        requests: Sequence[Request],
-        params: SamplingParams,
-        interrupt: Any = None,
-    ) -> list[Generation]:
-        if interrupt is not None:
-            raise ValueError(
-                "generation servers take new weights mid-response through the weight push "
-                "(staleness.interrupt pauses them), not through an interrupt callback"
-            )
-        seeds = request_seeds(len(requests), params)
-        return list(self.pool.generate(requests, params, seeds, self.eos_ids))
-
-    def sync_weights(self, model: torch.nn.Module, version: int) -> float:
-        self.last_publish = self.pool.publish(
-            lora.engine_weights(model), version, interrupt=self.interrupt
-        )
-        return self.last_publish["total_s"]
-
-    def close(self) -> None:
-        """Nothing to stop: the servers are not this process's (bapo serve started them)."""

@@ -166,6 +166,18 @@ def cleanup(root: Path | str, keep_from: int) -> list[int]:
     return removed
 
 
+def remove(root: Path | str, versions: Iterable[int]) -> list[int]:
+    """Remove these complete versions (the newest too): a resumed run's versions written after
+    its checkpoint by the run that was killed, or a finished run's own. The removed ones."""
+    removed = []
+    for v in versions:
+        path = version_dir(root, v)
+        if path.is_dir():
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(v)
+    return removed
+
+
 def _written_by_live(name: str) -> bool:
     """A temporary directory whose writer (pid in its name) is still running."""
     parts = name.split("-")

@@ -43,6 +43,7 @@ from bapo_cli.config.errors import ConfigError
 from bapo_cli.data.tasks import Problem
 from bapo_cli.rollout.base import Sample
 from bapo_cli.rollout.collect import Collector
+from bapo_cli.staleness.servers import ServerWorker
 
 if TYPE_CHECKING:
     from bapo_cli.config.schema import TrainConfig
@@ -140,6 +141,19 @@ class Regime:
         raise NotImplementedError
 
     @classmethod
+    def lag_steps(cls, k: int) -> int:
+        """Steps between the one whose weights sample a token and the one that trains it."""
+        return k
+
+    @classmethod
+    def worst_staleness(cls, k: int, epochs: int) -> int:
+        """The most versions an update can trail the weights that sampled a token it trains.
+        Every step makes `updates_per_batch × epochs` updates, so a lag of L steps is L times
+        that many versions, and the batch's last update comes that many minus one after its
+        first: reuse and lag compound, (L + 1) × updates per step − 1."""
+        return (cls.lag_steps(k) + 1) * cls.updates_per_batch(k) * epochs - 1
+
+    @classmethod
     def check(cls, k: int, epochs: int) -> None:
         """Rules on the staleness group alone; a ConfigError keyed within it (`regime`, `k`)."""
         if k == 0:
@@ -167,7 +181,7 @@ class Regime:
     # A regime that generates outside the training loop (async) starts, feeds and stops its
     # generator through these three; the others generate inside `next_batch` and need none.
 
-    def start(self, cfg: TrainConfig, model: Any, version: int) -> None:
+    def start(self, cfg: TrainConfig, model: Any, version: int, run_dir: Any = None) -> None:
         """Before the first step (after any resume): `model` holds the weights of `version`."""
 
     def publish(self, model: Any, version: int) -> None:
@@ -175,6 +189,10 @@ class Regime:
 
     def close(self) -> None:
         """When training ends, normally or not."""
+
+    def take_metrics(self) -> dict[str, float]:
+        """The generator's own numbers since the last call (generation servers: `servers/*`)."""
+        return {}
 
 
 @regime("reuse")
@@ -185,6 +203,10 @@ class Reuse(Regime):
     @classmethod
     def updates_per_batch(cls, k: int) -> int:
         return max(k, 1)
+
+    @classmethod
+    def lag_steps(cls, k: int) -> int:
+        return 0  # sampled by the weights of the batch's first update
 
     @classmethod
     def describe(cls, k: int, epochs: int) -> str:
@@ -373,7 +395,8 @@ class AsyncRL(Regime):
 
     @classmethod
     def check_run(cls, cfg: TrainConfig) -> None:
-        if cfg.rollout.name == "vllm" and cfg.staleness.interrupt:
+        servers = bool(cfg.rollout.servers)  # vLLM servers generate (staleness/servers.py)
+        if cfg.rollout.name == "vllm" and cfg.staleness.interrupt and not servers:
             raise ConfigError(
                 "staleness.interrupt",
                 True,
@@ -394,15 +417,20 @@ class AsyncRL(Regime):
                 "staleness.regime=async trains in one process (no torchrun): use ddp without "
                 "--nproc",
             )
-        if cfg.model.device == "cuda":
+        if cfg.model.device == "cuda" and not servers:
             raise ConfigError(
                 "model.device",
                 cfg.model.device,
-                "staleness.regime=async runs on CPU only (the CUDA path is described in "
-                "docs/engines.md, not built): use model.device=cpu",
+                "staleness.regime=async on CUDA generates on vLLM servers: needs "
+                "rollout.servers=[URL,...] and staleness.weights=filesystem (bapo serve, "
+                "docs/engines.md), or model.device=cpu",
             )
 
-    def start(self, cfg: TrainConfig, model: Any, version: int) -> None:
+    def start(self, cfg: TrainConfig, model: Any, version: int, run_dir: Any = None) -> None:
+        if cfg.rollout.servers:  # vLLM servers generate; this process keeps its threads
+            self.worker = ServerWorker.for_run(cfg, model, version, self.collector, run_dir)
+            self._admit()
+            return
         import torch
 
         from bapo_cli.rollout.base import resolve_engine_name
@@ -411,8 +439,8 @@ class AsyncRL(Regime):
         first = next(model.parameters())
         if first.device.type != "cpu":
             raise WorkerError(
-                f"staleness.regime=async runs on CPU only; the policy is on {first.device} "
-                "(model.device=cpu; the CUDA path is described in docs/engines.md)"
+                f"staleness.regime=async without rollout.servers runs on CPU only; the policy is "
+                f"on {first.device} (model.device=cpu, or vLLM servers: docs/engines.md)"
             )
         self._threads = torch.get_num_threads()
         threads = max(1, self._threads // 2)  # the cores this run was given, half each
@@ -461,6 +489,9 @@ class AsyncRL(Regime):
 
     def publish(self, model: Any, version: int) -> None:
         self.worker.publish(model, version)
+
+    def take_metrics(self) -> dict[str, float]:
+        return getattr(self.worker, "take_metrics", dict)()
 
     def close(self) -> None:
         import torch

@@ -67,6 +67,7 @@ def step_metrics(
         "c_high": "actor/c_high",
         "zero_mass": "actor/zero_mass_frac",
         "staleness_mean": "staleness/mean",
+        "trajectory_mean": "staleness/trajectory_mean",  # a response's oldest token
         "ess": "actor/ess",  # algos/ess.py: ESS / N of the sequences' weights, behaviour -> current
         "lr_scale": "actor/lr_scale",  # VCPO's ESS step scale
     }
@@ -87,6 +88,9 @@ def step_metrics(
             if f"actor/{key}" in out:
                 out[f"bapo/{key}"] = out[f"actor/{key}"]
     out["staleness/max"] = max((u.get("staleness_max", 0.0) for u in updates), default=0.0)
+    out["staleness/trajectory_max"] = max(
+        (u.get("trajectory_max", 0.0) for u in updates), default=0.0
+    )
     out["actor/ratio_max"] = max((u.get("ratio_max", 0.0) for u in updates), default=0.0)
     for key in updates[0] if updates else []:
         if key.startswith("quadrant_"):

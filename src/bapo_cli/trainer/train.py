@@ -109,7 +109,7 @@ def train(
             if cfg.trainer.val_every and run.state.step == 0:
                 tracker.log_metrics(_validate(run), step=0)
             # async: the generation worker starts from the weights and version training resumes
-            run.regime.start(cfg, run.model, run.state.version)
+            run.regime.start(cfg, run.model, run.state.version, run_dir=run.run_dir)
             stopped = _loop(run, tracker, stop)
             status = "KILLED" if stopped else "FINISHED"
             clean = True  # every rank is past the last step's collectives
@@ -125,6 +125,11 @@ def train(
             status = "KILLED"
             raise
         except WorkerError as err:
+            if getattr(err, "checkpoint_first", False) and run.state.step > 0:  # no server left
+                save_resume.save(run, tracker)
+                raise TrainingError(
+                    f"{err}; step {run.state.step} is saved: {run.last_ckpt}"
+                ) from err
             raise TrainingError(str(err)) from err
         except BaseException:
             if stop.requested:  # under torchrun: a rank that stopped ends the others' collectives
@@ -447,6 +452,7 @@ def _train_step(run: Run, stop: GracefulStop, tracker: Any) -> dict[str, float]:
     metrics.update(layout)  # perf/pad_frac, perf/micro_batches
     metrics.update(run.collector.take_mismatch())  # rollout/logprob_abs_diff_* (engine)
     metrics.update(run.collector.take_dynamic())  # dynamic/* (algo.dynamic_sampling)
+    metrics.update(run.regime.take_metrics())  # servers/* (async on generation servers)
     metrics.update(run.prompts.watch(batch))  # reward/silent_steps; warns once when no signal
     if "overlong_penalty_mean" in adv_stats:
         metrics["reward/overlong_penalty_mean"] = adv_stats["overlong_penalty_mean"]

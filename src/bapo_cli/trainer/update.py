@@ -283,6 +283,12 @@ def optimizer_update(
             )
             stale = torch.where(mb.mask, (version - mb.versions).float(), 0.0)
             m["staleness_sum"], m["staleness_max"] = stale.sum(), stale.max()
+            # a response's staleness is its oldest token's (a response continued by newer
+            # weights is as stale as its start): the max over its tokens
+            rows = mb.mask.any(dim=1)
+            oldest = stale.max(dim=1).values
+            m["trajectory_sum"], m["trajectory_seqs"] = oldest.sum(), rows.sum().float()
+            m["trajectory_max"] = oldest.max()
             weights.append((m, float(mb.num_tokens)))
     grad_norm = _grad_norm(model, grad_clip)
     local = tally.tolist() if tally is not None else [0.0] * (2 + len(RHO_SUMS))
@@ -477,8 +483,15 @@ def _grad_norm(model: torch.nn.Module, grad_clip: float | None) -> float:
     return float(full() if full is not None else norm)
 
 
-MAX_KEYS = ("ratio_max", "staleness_max")
-SUM_KEYS = ("nonfinite_tokens", "staleness_sum", "active_tokens", *RHO_SUMS)
+MAX_KEYS = ("ratio_max", "staleness_max", "trajectory_max")
+SUM_KEYS = (
+    "nonfinite_tokens",
+    "staleness_sum",
+    "active_tokens",
+    "trajectory_sum",
+    "trajectory_seqs",
+    *RHO_SUMS,
+)
 
 
 def _combine(weights: list[tuple[dict[str, Any], float]], tokens: int) -> dict[str, float]:
@@ -508,4 +521,6 @@ def _combine(weights: list[tuple[dict[str, Any], float]], tokens: int) -> dict[s
             total = float(w.sum())
             out[key] = sum(c * float(wi) for c, wi in zip(column, w, strict=True)) / max(total, 1.0)
     out["staleness_mean"] = out.pop("staleness_sum", 0.0) / max(tokens, 1)
+    seqs = out.pop("trajectory_seqs", 0.0)
+    out["trajectory_mean"] = out.pop("trajectory_sum", 0.0) / max(seqs, 1.0)
     return out

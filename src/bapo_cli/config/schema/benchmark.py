@@ -48,6 +48,11 @@ class EvalConfig:
         "{problem}\nPlease reason step by step, and put your final answer within \\boxed{{}}.",
         "prompt template; {problem} is replaced by the question",
     )
+    server: str | None = opt(  # generation servers (config/servers.py)
+        None,
+        "score the model a running vLLM server serves (bapo serve, or vllm serve with its "
+        "flags) at this URL instead of loading its weights here; null = in this process",
+    )
 
     def check(self) -> None:
         if self.n < 1:

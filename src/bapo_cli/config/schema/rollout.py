@@ -30,6 +30,11 @@ class RolloutConfig:
     gpu_memory_utilization: float = opt(0.5, "vLLM: share of GPU memory for weights + KV cache")
     tensor_parallel_size: int = opt(1, "vLLM: GPUs per engine")
     enable_sleep_mode: bool = opt(False, "vLLM on CUDA: free the KV cache while training")
+    servers: list[str] = opt(  # generation servers (config/servers.py)
+        [],
+        "staleness.regime=async: URLs of running vLLM generation servers (bapo serve) that "
+        "generate instead of a worker process, e.g. [http://127.0.0.1:8001]; [] = none",
+    )
     tis_cap: float | None = opt(
         None,
         "truncated importance sampling: weight each token by min(pi_trainer / pi_engine, cap), "

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from bapo_cli.config import registries
+from bapo_cli.config import servers as server_rules
 from bapo_cli.config.errors import ConfigError
 from bapo_cli.config.schema.fields import _one_of, _positive, opt
 
@@ -46,12 +47,24 @@ class StalenessConfig:
         "async: newer weights pause the responses being generated, which continue with them "
         "(tokens stamped per version; AReaL's interruptible rollout)",
     )
+    weights: str = opt(  # generation servers (config/servers.py)
+        "shm",
+        "async: how new weights reach the generator: shm (a worker process on this machine) | "
+        "filesystem (safetensors under staleness.weights_dir, reloaded by every server of "
+        "rollout.servers) | nccl (refused: not built, docs/engines.md)",
+    )
+    weights_dir: str | None = opt(
+        None,
+        "filesystem: the directory versions are written to (every server must read it: a "
+        "shared filesystem across machines); null = <run dir>/weights",
+    )
 
     def check(self) -> None:
         _positive("k", self.k, allow_zero=True)
         _one_of("regime", self.regime, regime_names())
         _positive("ppo_epochs", self.ppo_epochs)
         regime_class(self.regime).check(self.k, self.ppo_epochs)
+        _one_of("weights", self.weights, server_rules.WEIGHT_TRANSPORTS)
         if self.interrupt and self.regime != "async":
             raise ConfigError(
                 "interrupt",

@@ -9,6 +9,7 @@ from typing import Any
 
 from omegaconf import MISSING
 
+from bapo_cli.config import servers as server_rules
 from bapo_cli.config.errors import ConfigError
 from bapo_cli.config.schema.benchmark import BenchmarkConfig, EvalConfig
 from bapo_cli.config.schema.data import DataConfig
@@ -77,6 +78,7 @@ class TrainConfig:
                     "distribution while rollout.top_p < 1 / top_k > 0 truncate sampling (biased): "
                     "use top_p=1 and top_k=-1, or null",
                 )
+        server_rules.check_train(self)  # generation servers (config/servers.py)
         regime_class(self.staleness.regime).check_run(self)  # the regime's rules across groups
 
 
@@ -131,3 +133,6 @@ class EvalRunConfig:
     tracking: TrackingConfig = opt(MISSING, "MLflow, W&B and/or TensorBoard tracking")
     eval: EvalConfig = opt(MISSING, "samples per problem and sampling")
     paths: PathsConfig = opt(MISSING, "output locations")
+
+    def check(self) -> None:
+        server_rules.check_eval(self)  # generation servers (config/servers.py)

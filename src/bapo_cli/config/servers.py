@@ -1,0 +1,135 @@
+"""Config rules of generation servers: `rollout.servers`, `staleness.weights`,
+`staleness.weights_dir` (bapo train) and `eval.server` (bapo eval).
+
+These are rules on the config alone (no network; torch only to resolve model.device=auto for
+`nccl`): the schema calls them from its
+`check()` methods so a bad combination costs one line before anything starts. Whether the
+servers answer and serve the run's model, and whether the weights directory can be written, is
+asked later by the CLI, still before the run dir is claimed (`staleness.servers.preflight`,
+`evaluation.served.preflight`).
+
+Why each rule:
+
+- servers feed the async regime only: the other regimes generate inside the training loop, on
+  the trainer's engine;
+- `shm` moves weights through this machine's shared memory to a worker process: it cannot reach
+  a server; `filesystem` (and `nccl`) push to servers and need some;
+- `nccl` is refused: vLLM's NCCL weight transfer needs CUDA on the trainer and every server, and
+  off CUDA it reports success while moving nothing (open vLLM PRs 57022/57374); the adapter is
+  not built because no GPU with vLLM was available to run it (docs/engines.md);
+- `rollout.tis_cap` and `rollout.seq_mask=geo` weigh the trainer's log-probs against the
+  engine's *under the same weights*; with servers the behaviour log-probs are the servers' own
+  (the trainer never holds the weights that sampled an old token), so both would be weights of
+  exactly 1: refused rather than silently doing nothing.
+"""
+
+from __future__ import annotations
+
+import urllib.parse
+from typing import Any
+
+from bapo_cli.config.errors import ConfigError
+
+WEIGHT_TRANSPORTS = ("shm", "filesystem", "nccl")
+URL_FORM = "give http://HOST:PORT, as `bapo serve` prints it"
+
+
+def check_url(key: str, url: Any) -> None:
+    """A server URL: http(s)://host:port with no path."""
+    parsed = urllib.parse.urlsplit(str(url))
+    bad = parsed.scheme not in ("http", "https") or parsed.path not in ("", "/")
+    if bad or not parsed.hostname:
+        raise ConfigError(key, url, f"is not a server URL; {URL_FORM}")
+    try:
+        parsed.port  # noqa: B018  (raises on a port that is not a number)
+    except ValueError:
+        raise ConfigError(key, url, f"is not a server URL; {URL_FORM}") from None
+
+
+def _on_cuda(device: str) -> bool:
+    """model.device names CUDA (auto: CUDA when torch sees one; torch is imported only then)."""
+    if device == "auto":
+        import torch
+
+        return torch.cuda.is_available()
+    return device.startswith("cuda")
+
+
+def check_train(cfg: Any) -> None:
+    """Cross-group rules of a training config (a `TrainConfig`)."""
+    servers = list(cfg.rollout.servers)
+    weights = cfg.staleness.weights
+    for url in servers:
+        check_url("rollout.servers", url)
+    stripped = [str(u).rstrip("/") for u in servers]
+    if len(set(stripped)) != len(stripped):
+        raise ConfigError("rollout.servers", servers, "names a server twice; list each once")
+    if servers and cfg.staleness.regime != "async":
+        raise ConfigError(
+            "rollout.servers",
+            servers,
+            f"generation servers feed staleness.regime=async only (this run: "
+            f"{cfg.staleness.regime}, which generates inside the training loop): add "
+            "staleness.regime=async, or drop rollout.servers",
+        )
+    if weights == "nccl":
+        if not _on_cuda(cfg.model.device):
+            why = (
+                "off CUDA vLLM's NCCL weight transfer reports success and moves nothing "
+                "(vLLM PRs 57022/57374)"
+            )
+        else:
+            why = (
+                "not built: vLLM's NCCL weight transfer needs CUDA on the trainer and every "
+                "server, and no GPU with vLLM was available to run it (docs/engines.md)"
+            )
+        raise ConfigError("staleness.weights", weights, f"{why}; use staleness.weights=filesystem")
+    if weights == "shm" and servers:
+        raise ConfigError(
+            "staleness.weights",
+            weights,
+            "moves weights through this machine's shared memory to a worker process, not to "
+            "generation servers: use staleness.weights=filesystem with rollout.servers",
+        )
+    if weights != "shm" and not servers:
+        raise ConfigError(
+            "staleness.weights",
+            weights,
+            "pushes weights to generation servers: needs rollout.servers=[URL,...] (start them "
+            "with bapo serve), or staleness.weights=shm",
+        )
+    if cfg.staleness.weights_dir is not None and weights != "filesystem":
+        raise ConfigError(
+            "staleness.weights_dir",
+            cfg.staleness.weights_dir,
+            "only the filesystem transport writes weights: needs staleness.weights=filesystem",
+        )
+    if servers and cfg.rollout.tis_cap is not None:
+        raise ConfigError(
+            "rollout.tis_cap",
+            cfg.rollout.tis_cap,
+            "weighs the trainer's log-probs against the engine's under the same weights; with "
+            "rollout.servers the behaviour log-probs are the servers' own, so every weight would "
+            "be 1: use trainer.old_logprob=recompute with algo.behav_weight_cap (decoupled PPO), "
+            "or drop rollout.tis_cap",
+        )
+    if servers and cfg.rollout.seq_mask == "geo":
+        raise ConfigError(
+            "rollout.seq_mask",
+            "geo",
+            "compares the trainer's and the engine's log-probs under the same weights; with "
+            "rollout.servers the behaviour log-probs are the servers' own: use seq_mask=opsm or "
+            "none",
+        )
+
+
+def check_eval(cfg: Any) -> None:
+    """Rules of an evaluation config (an `EvalRunConfig`)."""
+    if cfg.rollout.servers:
+        raise ConfigError(
+            "rollout.servers",
+            list(cfg.rollout.servers),
+            "bapo eval scores through one server: eval.server=URL",
+        )
+    if cfg.eval.server is not None:
+        check_url("eval.server", cfg.eval.server)

