@@ -34,7 +34,9 @@ def _needs_vllm(node: ast.AST) -> bool:
     if isinstance(node, ast.ImportFrom):
         return node.level == 0 and _is_vllm_module(node.module)
     if isinstance(node, ast.Constant) and isinstance(node.value, str):
-        return any(run in node.value for run in VLLM_RUNS)
+        # an override is a word of its own (a list element, or a word of a command line); a
+        # message or docstring that quotes it (`rollout=vllm`, "rollout=vllm: ...") runs nothing
+        return any(run in node.value.split() for run in VLLM_RUNS)
     return False
 
 
