@@ -97,8 +97,8 @@ def test_cuda_async_with_servers_passes_the_config_check() -> None:
     # and the vLLM engine's interrupt refusal does not apply: the servers pause and resume
     preflight(
         "train",
-        [*ASYNC, "rollout=vllm", "staleness.interrupt=true", f"rollout.servers=[{URL}]"]
-        + ["staleness.weights=filesystem"],
+        [*ASYNC, "staleness.interrupt=true", f"rollout.servers=[{URL}]"]
+        + ["rollout=vllm", "staleness.weights=filesystem"],  # config only
     )
 
 
