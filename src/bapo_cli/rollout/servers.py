@@ -97,6 +97,10 @@ class Unreachable(ServerError):
     """The connection failed: refused, reset, timed out."""
 
 
+class NoServerLeft(ServerError):
+    """Every server of the pool is down."""
+
+
 class PoolClosed(ServerError):
     """`close()` was called while requests were waiting: their answers are not wanted."""
 
@@ -326,7 +330,7 @@ class ServerPool:
 
     def _all_down(self) -> None:
         detail = "; ".join(f"{s.url}: {s.last_error or 'down'}" for s in self.servers)
-        raise ServerError(f"every generation server is down ({detail})")
+        raise NoServerLeft(f"every generation server is down ({detail})")
 
     def _revive_due(self) -> None:
         now = time.monotonic()

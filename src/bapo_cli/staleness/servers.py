@@ -64,7 +64,13 @@ from bapo_cli.rollout import weights_fs
 from bapo_cli.rollout.base import Sample, eos_ids
 from bapo_cli.rollout.collect import Collector
 from bapo_cli.rollout.server_engine import ServerEngine
-from bapo_cli.rollout.servers import PoolClosed, ServerError, ServerPool, model_identity
+from bapo_cli.rollout.servers import (
+    NoServerLeft,
+    PoolClosed,
+    ServerError,
+    ServerPool,
+    model_identity,
+)
 from bapo_cli.staleness.worker import POLL_S, WorkerError, unit_seed
 
 PROBE_TEXT = "The quick brown fox jumps over the lazy dog. 12 + 30 = 42, 7 * 6 = 42."
@@ -295,7 +301,7 @@ class ServerWorker:
             weights_fs.remove(self.root, mine)
 
     def _error(self, exc: BaseException) -> WorkerError:
-        if isinstance(exc, ServerError) and "every generation server is down" in str(exc):
+        if isinstance(exc, NoServerLeft):
             return ServersDown(f"{exc}; restart them and resume (trainer.resume=true)")
         if isinstance(exc, ServerError | WorkerError):
             return WorkerError(str(exc))

@@ -42,9 +42,8 @@ The engine is the run's (`rollout=hf` samples from the worker's policy copy itse
 builds a vLLM engine in the worker and loads each new version into it, its log-probs kept with the
 samples for TIS and the mismatch metric). Behaviour log-probs are always the policy copy's forward.
 
-CPU only here. On CUDA the same shape holds with the worker on its own GPU (or a vLLM engine) and
-NCCL broadcast / CUDA IPC in place of shared memory; docs/engines.md says what that path is and
-that it was not run.
+CPU only. On GPUs (and across machines) vLLM generation servers take this worker's place
+(`rollout.servers`: staleness/servers.py, the same surface), weights through files; docs/engines.md.
 """
 
 from __future__ import annotations
