@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import time
@@ -15,7 +16,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from bapo_cli.launch import multinode
+from bapo_cli.launch import forward, multinode
 from bapo_cli.launch.multinode import Endpoint, LaunchError, Topology, parse_endpoint
 from tests.conftest import REPO, run_bapo
 from tests.faults.sockets import Listening
@@ -209,3 +210,32 @@ def test_one_node_torchrun_listens_on_the_loopback_only(tmp_path: Path) -> None:
     reports = [json.loads(Path(f"{out}.{r}").read_text()) for r in range(2)]
     assert [r["world"] for r in reports] == [2, 2]
     assert {r["master_addr"] for r in reports} == {"127.0.0.1"}  # the ranks' store, too
+
+
+def test_one_node_torchrun_ends_a_forwarded_stop_signal_without_a_traceback(
+    tmp_path: Path,
+) -> None:
+    """The one-node launch `bapo train --nproc N` runs (the loopback launcher, with the agent
+    environment bapo gives it): SIGUSR1 to the agent reaches the ranks and the agent exits
+    128 + 10, not with torchrun's SignalException traceback (CI of fe9abc4 printed one)."""
+    out, hold = tmp_path / "rank", tmp_path / "hold"
+    command = forward.agent_command(
+        multinode.torchrun_command(Topology(2), [*PROBE, str(out), str(hold)])
+    )
+    env = forward.agent_env(grace_s=5, env={**os.environ, **ENV})
+    launch = subprocess.Popen(
+        command, cwd=REPO, env=env, stdout=subprocess.PIPE, text=True, stderr=subprocess.PIPE
+    )
+    try:
+        deadline = time.monotonic() + 240
+        while not all(Path(f"{out}.{r}").exists() for r in range(2)):
+            assert launch.poll() is None, launch.communicate()[1][-3000:]
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        launch.send_signal(signal.SIGUSR1)  # the ranks wait on HOLD: only the signal ends them
+        _, err = launch.communicate(timeout=120)
+    finally:
+        if launch.poll() is None:
+            launch.kill()
+    assert launch.returncode == 128 + signal.SIGUSR1, err[-3000:]
+    assert "Traceback" not in err and "SignalException" not in err, err[-3000:]

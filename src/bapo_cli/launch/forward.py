@@ -10,8 +10,9 @@ default) and then sending SIGKILL. This launcher:
 - has the agent handle SIGUSR1 as well (`PET_SIGNALS_TO_HANDLE`; SIGUSR1's default action would
   end the agent and orphan the ranks) and wait for the ranks longer than their stop grace plus a
   save (`PET_SHUTDOWN_TIMEOUT`), unless the environment sets either already;
-- runs torchrun's own `main` through `agent_main` below, where the SignalException torchrun
-  raises once it has passed a signal on ends in exit 128 + N instead of a traceback;
+- runs torchrun's agent through `exit_quietly_on_signal` below (`agent_main` for torchrun's own
+  `main`, across nodes; bapo_cli.launch.loopback on one node), where the SignalException
+  torchrun raises once it has passed a signal on ends in exit 128 + N instead of a traceback;
 - exits 128 + the first signal it received once torchrun has ended, else torchrun's own code.
 The ranks handle the signals themselves (bapo_cli.trainer.interrupt) and agree on the step to
 stop at (bapo_cli.trainer.stopping).
@@ -24,6 +25,7 @@ import os
 import signal
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP)
@@ -52,15 +54,23 @@ def agent_command(command: list[str]) -> list[str]:
     return command
 
 
-def agent_main(argv: list[str]) -> None:
-    """torchrun's `main`; a stop signal it passed on to the ranks ends it with 128 + N."""
+def exit_quietly_on_signal(agent: Callable[[], object]) -> None:
+    """Run torchrun's agent; the SignalException it raises once it has passed a stop signal on
+    to the ranks ends this process with 128 + N, not a traceback (both torchrun entry points
+    use it: `agent_main` below and bapo_cli.launch.loopback, one node's)."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
-    from torch.distributed.run import main
 
     try:
-        main(argv)
+        agent()
     except SignalException as exc:
         sys.exit(128 + int(exc.sigval))
+
+
+def agent_main(argv: list[str]) -> None:
+    """torchrun's `main`; a stop signal it passed on to the ranks ends it with 128 + N."""
+    from torch.distributed.run import main
+
+    exit_quietly_on_signal(lambda: main(argv))
 
 
 def run(command: list[str], env: dict[str, str]) -> int:

@@ -30,6 +30,7 @@ from torch.distributed.elastic.rendezvous import (
 )
 from torch.distributed.elastic.rendezvous.static_tcp_rendezvous import StaticTCPRendezvous
 
+from bapo_cli.launch.forward import exit_quietly_on_signal
 from bapo_cli.launch.multinode import LOOPBACK_BACKEND as BACKEND
 
 HOST = "127.0.0.1"
@@ -88,7 +89,8 @@ def main(argv: list[str] | None = None) -> None:
     """torchrun (`torch.distributed.run.main`) with the `bapo-loopback` backend registered.
 
     OMP_NUM_THREADS=1 for several processes, as torchrun would set it, without its banner on
-    the console (bapo prints the thread count it trains with)."""
+    the console (bapo prints the thread count it trains with). A stop signal the agent passed
+    on to the ranks ends it with 128 + N, without a traceback."""
     from torch.distributed import run
 
     rendezvous_handler_registry.register(BACKEND, _create_handler)
@@ -96,7 +98,7 @@ def main(argv: list[str] | None = None) -> None:
     args = run.parse_args(sys.argv[1:] if argv is None else argv)
     if str(args.nproc_per_node).isdigit() and int(args.nproc_per_node) > 1:
         os.environ.setdefault("OMP_NUM_THREADS", "1")
-    record(run.run)(args)
+    exit_quietly_on_signal(lambda: record(run.run)(args))
 
 
 if __name__ == "__main__":
