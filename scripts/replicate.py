@@ -7,15 +7,20 @@ difference, with labels permuted *within* each setting (a stratified permutation
 the four; a "yes" is a pooled yes whose difference is positive under both settings.
 
     python scripts/replicate.py STORE_A STORE_B [--lr 6e-4] [--seeds 0-7]
+    python scripts/replicate.py --export STORE OUT.csv
 
-Each store holds one setting's runs of the grid (MLflow experiment `study_v3`, as the presets set
-it). Stores may hold other cells and lrs: only the Q1 cells at `--lr` are read.
+Each of A and B is one setting's runs of the grid: an MLflow store (tracking URI or directory;
+experiment `study_v3`, as the presets set it) or a per-run CSV written by `--export` (the committed
+docs/study-v3/replication/*.csv: one row per run, `arm,lr,algo,seed` and the outcome columns), so
+a verdict can be re-drawn from the repository without the stores. Several CSVs of one setting
+(stages) join with commas: `a1.csv,a2.csv`. Only the Q1 cells at `--lr` are read.
 """
 
 # ruff: noqa: E501  (markdown table rows read better whole)
 from __future__ import annotations
 
 import argparse
+import csv
 import itertools
 import math
 import random
@@ -28,6 +33,69 @@ import study_v3  # noqa: E402  (the study's loader, cells, permutation p and Hol
 
 COMPARISONS = tuple((arm, algo) for arm in study_v3.STALE for algo in ("bapo0.4", "bapo0.5"))
 KEY = "held-out change"
+CSV_KEYS = ("held-out start", "held-out final", "held-out change", "final entropy")
+CSV_HEAD = ("arm", "lr", "algo", "seed", *CSV_KEYS)
+
+
+def export_csv(runs: list[study_v3.Run], out: Path) -> None:
+    """One row per run (sorted by arm, lr, algo, seed): the columns the verdicts read."""
+    rows = sorted(runs, key=lambda r: (r.arm, r.lr, r.algo, r.seed))
+    with out.open("w", newline="") as f:
+        writer = csv.writer(f, lineterminator="\n")
+        writer.writerow(CSV_HEAD)
+        for r in rows:
+            writer.writerow([r.arm, r.lr, r.algo, r.seed, *(r.values.get(k) for k in CSV_KEYS)])
+
+
+def _number(text: str, what: str, path: Path) -> float | None:
+    if text in ("", "None"):
+        return None
+    try:
+        return float(text)
+    except ValueError:
+        raise ValueError(f"{path}: {what} {text!r} is not a number") from None
+
+
+def load_csv(path: Path) -> list[study_v3.Run]:
+    """The runs of an `export_csv` file; a missing column or a non-number is one ValueError."""
+    with path.open(newline="") as f:
+        reader = csv.DictReader(f)
+        missing = [
+            c for c in ("arm", "lr", "algo", "seed", KEY) if c not in (reader.fieldnames or [])
+        ]
+        if missing:
+            raise ValueError(
+                f"{path}: no column {', '.join(missing)} (columns: {', '.join(CSV_HEAD)})"
+            )
+        runs = []
+        for row in reader:
+            values = {k: _number(row[k], k, path) for k in CSV_KEYS if k in row}
+            runs.append(
+                study_v3.Run(
+                    arm=row["arm"],
+                    lr=_number(row["lr"], "lr", path),
+                    algo=row["algo"],
+                    seed=int(_number(row["seed"], "seed", path)),
+                    values=values,
+                )
+            )
+    return runs
+
+
+def load_setting(source: str) -> list[study_v3.Run]:
+    """One setting's runs: CSV files (comma-joined) or an MLflow store. The same run (arm, lr,
+    algo, seed) twice is refused: stages must not overlap."""
+    if source.endswith(".csv") or ".csv," in source:
+        runs = [r for part in source.split(",") for r in load_csv(Path(part))]
+    else:
+        runs = study_v3.load(source)
+    seen: set[tuple] = set()
+    for r in runs:
+        key = (r.arm, r.lr, r.algo, r.seed)
+        if key in seen:
+            raise ValueError(f"{source}: the run {key} appears twice (overlapping stages?)")
+        seen.add(key)
+    return runs
 
 
 def stratified_permutation_p(
@@ -152,8 +220,19 @@ def _seeds(text: str | None) -> set[int] | None:
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("store_a", help="tracking URI of setting A's runs")
-    parser.add_argument("store_b", help="tracking URI of setting B's runs")
+    if argv[:1] == ["--export"]:
+        if len(argv) != 3:
+            print("replicate: --export takes STORE OUT.csv", file=sys.stderr)
+            return 2
+        try:
+            export_csv(study_v3.load(argv[1]), Path(argv[2]))
+        except study_v3.report.ReportError as err:
+            print(f"replicate: {err}", file=sys.stderr)
+            return 2
+        print(f"wrote {argv[2]}")
+        return 0
+    parser.add_argument("store_a", help="setting A's runs: a tracking URI or CSV file(s)")
+    parser.add_argument("store_b", help="setting B's runs: a tracking URI or CSV file(s)")
     parser.add_argument("--lr", type=float, default=6e-4, help="the primary lr (6e-4)")
     parser.add_argument("--seeds", help="a seed range, e.g. 0-4 (default: every seed found)")
     parser.add_argument("--names", default="A,B", help="column names of the two stores")
@@ -163,8 +242,8 @@ def main(argv: list[str]) -> int:
         print("replicate: --names takes two names, e.g. A,B", file=sys.stderr)
         return 2
     try:
-        settings = {names[0]: study_v3.load(args.store_a), names[1]: study_v3.load(args.store_b)}
-    except study_v3.report.ReportError as err:
+        settings = {names[0]: load_setting(args.store_a), names[1]: load_setting(args.store_b)}
+    except (study_v3.report.ReportError, ValueError, OSError) as err:
         print(f"replicate: {err}", file=sys.stderr)
         return 2
     print(table(verdicts(settings, args.lr, _seeds(args.seeds)), names), end="")
