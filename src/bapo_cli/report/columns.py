@@ -8,9 +8,15 @@ rho, clip fractions and step time are means over all steps; "start rho" is the m
 `actor/rho` (the mass-weighted positive share every loss reports) over the first 10% of steps.
 "held-out start/final" are the first and last logged value of the run's validation metric
 (`val/<set>/avg_at_<n>`, the first such key when there are several: `trainer.val_every`).
+"ESS first quarter min" is the stress design's predictor E_q (docs/algorithms.md, issue 34): the
+minimum of `actor/ess` over the logged steps 1 ... ceil(S/4), S the run's last logged step;
+"final ESS" its mean over the last 10% of steps. Runs that never logged `actor/ess` (stores from
+before it existed) get empty cells.
 """
 
 from __future__ import annotations
+
+import math
 
 from bapo_cli.report.runs import VAL_KEY, RunData
 
@@ -45,6 +51,19 @@ def _val(h: dict[str, list[tuple[int, float]]], which: int) -> float | None:
     return h[keys[0]][which][1] if keys and h[keys[0]] else None
 
 
+def first_quarter_min(points: list[tuple[int, float]] | None) -> float | None:
+    """Minimum over the points logged at steps 1 ... ceil(S/4), S the last logged step (for a
+    run that finished, `trainer.max_steps`): the stress design's E_q. A step's value is what the
+    run logged for it (under reuse 8 the mean of its 8 updates). NaN points are left out (the
+    metric is guarded never to be NaN, and `min` over a NaN depends on the order); None when no
+    point falls in the quarter."""
+    if not points:
+        return None
+    quarter = math.ceil(points[-1][0] / 4)
+    values = [v for s, v in points if 1 <= s <= quarter and not math.isnan(v)]
+    return min(values) if values else None
+
+
 COLUMNS = (  # (header, function of a run's histories)
     ("held-out start", lambda h: _val(h, 0)),
     ("held-out final", lambda h: _val(h, -1)),
@@ -58,6 +77,8 @@ COLUMNS = (  # (header, function of a run's histories)
     ("start rho", lambda h: head_mean(h.get("actor/rho"))),
     ("mean rho before", lambda h: mean(h.get("bapo/rho_before"))),
     ("mean rho", lambda h: mean(h.get("bapo/rho"))),
+    ("ESS first quarter min", lambda h: first_quarter_min(h.get("actor/ess"))),
+    ("final ESS", lambda h: tail_mean(h.get("actor/ess"))),
     ("clipfrac low", lambda h: mean(h.get("actor/clipfrac_low"))),
     ("clipfrac high", lambda h: mean(h.get("actor/clipfrac_high"))),
     ("length start", lambda h: head_mean(h.get("response/length_mean"))),

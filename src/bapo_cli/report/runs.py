@@ -36,6 +36,7 @@ PLOTS: dict[str, tuple[str, ...]] = {
 METRICS = tuple(dict.fromkeys(k for keys in PLOTS.values() for k in keys)) + (
     "perf/step_s",
     "actor/rho",
+    "actor/ess",
     "response/length_mean",
     "response/clip_frac",
 )
