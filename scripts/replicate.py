@@ -25,6 +25,7 @@ import itertools
 import math
 import random
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -37,14 +38,15 @@ CSV_KEYS = ("held-out start", "held-out final", "held-out change", "final entrop
 CSV_HEAD = ("arm", "lr", "algo", "seed", *CSV_KEYS)
 
 
-def export_csv(runs: list[study_v3.Run], out: Path) -> None:
-    """One row per run (sorted by arm, lr, algo, seed): the columns the verdicts read."""
+def export_csv(runs: list[study_v3.Run], out: Path, keys: tuple[str, ...] = CSV_KEYS) -> None:
+    """One row per run (sorted by arm, lr, algo, seed): the columns the verdicts read (`keys`;
+    scripts/stress2.py adds its own)."""
     rows = sorted(runs, key=lambda r: (r.arm, r.lr, r.algo, r.seed))
     with out.open("w", newline="") as f:
         writer = csv.writer(f, lineterminator="\n")
-        writer.writerow(CSV_HEAD)
+        writer.writerow(("arm", "lr", "algo", "seed", *keys))
         for r in rows:
-            writer.writerow([r.arm, r.lr, r.algo, r.seed, *(r.values.get(k) for k in CSV_KEYS)])
+            writer.writerow([r.arm, r.lr, r.algo, r.seed, *(r.values.get(k) for k in keys)])
 
 
 def _number(text: str, what: str, path: Path) -> float | None:
@@ -56,8 +58,9 @@ def _number(text: str, what: str, path: Path) -> float | None:
         raise ValueError(f"{path}: {what} {text!r} is not a number") from None
 
 
-def load_csv(path: Path) -> list[study_v3.Run]:
-    """The runs of an `export_csv` file; a missing column or a non-number is one ValueError."""
+def load_csv(path: Path, keys: tuple[str, ...] = CSV_KEYS) -> list[study_v3.Run]:
+    """The runs of an `export_csv` file (the `keys` columns it has; `held-out change` is
+    required); a missing column or a non-number is one ValueError."""
     with path.open(newline="") as f:
         reader = csv.DictReader(f)
         missing = [
@@ -65,11 +68,12 @@ def load_csv(path: Path) -> list[study_v3.Run]:
         ]
         if missing:
             raise ValueError(
-                f"{path}: no column {', '.join(missing)} (columns: {', '.join(CSV_HEAD)})"
+                f"{path}: no column {', '.join(missing)} "
+                f"(columns: arm, lr, algo, seed, {', '.join(keys)})"
             )
         runs = []
         for row in reader:
-            values = {k: _number(row[k], k, path) for k in CSV_KEYS if k in row}
+            values = {k: _number(row[k], k, path) for k in keys if k in row}
             runs.append(
                 study_v3.Run(
                     arm=row["arm"],
@@ -82,13 +86,18 @@ def load_csv(path: Path) -> list[study_v3.Run]:
     return runs
 
 
-def load_setting(source: str) -> list[study_v3.Run]:
-    """One setting's runs: CSV files (comma-joined) or an MLflow store. The same run (arm, lr,
-    algo, seed) twice is refused: stages must not overlap."""
+def load_setting(
+    source: str,
+    load: Callable[[str], list[study_v3.Run]] = study_v3.load,
+    keys: tuple[str, ...] = CSV_KEYS,
+) -> list[study_v3.Run]:
+    """One setting's runs: CSV files (comma-joined, their `keys` columns) or an MLflow store
+    (read by `load`). The same run (arm, lr, algo, seed) twice is refused: stages must not
+    overlap."""
     if source.endswith(".csv") or ".csv," in source:
-        runs = [r for part in source.split(",") for r in load_csv(Path(part))]
+        runs = [r for part in source.split(",") for r in load_csv(Path(part), keys)]
     else:
-        runs = study_v3.load(source)
+        runs = load(source)
     seen: set[tuple] = set()
     for r in runs:
         key = (r.arm, r.lr, r.algo, r.seed)
