@@ -119,6 +119,11 @@ def _f(value: float | None) -> str:
     return "—" if value is None else f"{value:.3f}"
 
 
+def fmt_p(p: float) -> str:
+    """A p-value to four decimals, or in scientific notation below 1e-4 (not "0.0000")."""
+    return f"{p:.4f}" if p >= 1e-4 else f"{p:.1e}"
+
+
 def table_markdown(tables: dict[str, EssTable]) -> str:
     """One row per setting: the four cells, Fisher's p and the descriptive read-outs."""
     rows = [
@@ -130,7 +135,7 @@ def table_markdown(tables: dict[str, EssTable]) -> str:
     for name, t in tables.items():
         rows.append(
             f"| {name} | {t.runs} | {t.falling_collapse} | {t.falling_kept} | "
-            f"{t.steady_collapse} | {t.steady_kept} | {t.p:.4f} | {_f(t.sensitivity)} | "
+            f"{t.steady_collapse} | {t.steady_kept} | {fmt_p(t.p)} | {_f(t.sensitivity)} | "
             f"{_f(t.specificity)} | {_f(t.auroc)} | {t.left_out} |"
         )
     return "\n".join(rows) + "\n"

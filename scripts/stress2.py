@@ -262,7 +262,7 @@ def ess_markdown(
             auc = "—" if t.auroc is None else f"{t.auroc:.3f}"
             out.append(
                 f"| {name} | {config} | {t.runs} | {t.falling_collapse} | {t.falling_kept} | "
-                f"{t.steady_collapse} | {t.steady_kept} | {t.p:.4f} | {auc} |"
+                f"{t.steady_collapse} | {t.steady_kept} | {ess_readout.fmt_p(t.p)} | {auc} |"
             )
     else:
         out.append("(none)")

@@ -271,6 +271,9 @@ def test_ess_answer_is_yes_only_under_both_settings() -> None:
     assert ess.answer({"A": whole["A"]}, ["A", "B"]) == "not determinable"
     md = stress2.ess_markdown(whole, within, ["A", "B"])
     assert "**Answer: no**" in md and "| B | grpo | 16 |" in md
+    (row_a,) = [line for line in md.splitlines() if line.startswith("| A | 336 |")]
+    assert row_a.startswith("| A | 336 | 54 | 0 | 0 | 282 | ") and "e-" in row_a  # not 0.0000
+    assert ess.fmt_p(0.04) == "0.0400" and ess.fmt_p(3e-7) == "3.0e-07"
 
 
 # ------------------------------------------------------------------------ a real store
