@@ -39,21 +39,36 @@ ONE_THREAD = {"OMP_NUM_THREADS": "1"}  # two ranks and two servers on the same c
 RANKS_TOL = 1e-6  # DDP keeps the ranks' weights equal; one forward each, separate processes
 
 
-def assert_within_k(rows: list[dict], k: int) -> None:
-    """Every response trained at step s (version s - 1) has all its tokens from versions
-    s - 1 - k .. s - 1: its oldest token (versions[0]) no more than k behind."""
+def trained_versions(logged: list[dict]) -> dict[int, int]:
+    """The policy version each step trained at: one per step before it, less the updates that
+    did not move the weights (no gradient on any rank, or skipped as non-finite)."""
+    out, version = {}, 0
+    for step, h in enumerate(logged, start=1):
+        out[step] = version
+        version += 1 - int(h["actor/no_grad_updates"] + h["actor/skipped_steps"])
+    return out
+
+
+def assert_within_k(rows: list[dict], logged: list[dict], k: int) -> None:
+    """Every response trained at version V has all its tokens from versions V - k .. V: its
+    oldest token (versions[0]) no more than k behind, its newest not ahead."""
+    at = trained_versions(logged)
     for r in rows:
-        trained_at = r["step"] - 1
-        assert 0 <= trained_at - r["versions"][0] <= k, r
-        assert r["versions"][1] <= trained_at, r
+        assert 0 <= at[r["step"]] - r["versions"][0] <= k, (r, at[r["step"]])
+        assert r["versions"][1] <= at[r["step"]], (r, at[r["step"]])
 
 
 def history(run_dir: Path, step: int) -> list[dict]:
+    """Every step's metrics from the checkpoint of `step`, checked against its policy version."""
     state = torch.load(
         checkpoint.step_dir(run_dir / "checkpoints", step) / checkpoint.STATE_FILE,
         weights_only=True,
-    )
-    return state["state"]["history"]
+    )["state"]
+    logged = state["history"]
+    last = logged[-1]
+    moved = 1 - int(last["actor/no_grad_updates"] + last["actor/skipped_steps"])
+    assert trained_versions(logged)[len(logged)] + moved == state["version"]
+    return logged
 
 
 def test_two_ranks_on_two_servers(fleet, tmp_path) -> None:
@@ -77,10 +92,10 @@ def test_two_ranks_on_two_servers(fleet, tmp_path) -> None:
     rows = records(run_dir)
     assert_each_group_once(rows, steps)  # groups 0..47: rank 0's even, rank 1's odd
     assert {r["group"] % 2 for r in rows} == {0, 1}
-    assert_within_k(rows, k)
-    assert all(r["versions"][0] == r["versions"][1] for r in rows)  # a push waits for responses
     logged = history(run_dir, steps)
     assert len(logged) == steps
+    assert_within_k(rows, logged, k)
+    assert all(r["versions"][0] == r["versions"][1] for r in rows)  # a push waits for responses
     assert max(h["staleness/max"] for h in logged) <= k
     probes = [h["servers/probe_abs_diff_max"] for h in logged if "servers/probe_abs_diff_max" in h]
     assert len(probes) >= steps - 1 and max(probes) <= LOGPROB_TOL, probes  # rank 0's, per push
@@ -88,7 +103,8 @@ def test_two_ranks_on_two_servers(fleet, tmp_path) -> None:
     assert max(ranks) <= RANKS_TOL, ranks  # rank 1's weights equal rank 0's after every step
     assert all(h["servers/alive"] == 2.0 for h in logged)
     assert not list((run_dir / "weights").glob("step_*"))  # the versions written are removed
-    ahead = sorted({r["step"] - 1 - r["versions"][0] for r in rows})
+    at = trained_versions(logged)
+    ahead = sorted({at[r["step"]] - r["versions"][0] for r in rows})
     print(  # noqa: T201
         f"\n--nproc 2: response staleness {ahead}, probes {max(probes):.2e}, ranks {max(ranks):.2e}"
     )
@@ -136,17 +152,20 @@ def test_kill_9_of_both_ranks_then_resume_trains_every_group_exactly_once(fleet,
         env=ONE_THREAD,
         timeout=900,
     )
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert resumed.returncode == 0, (resumed_from, resumed.stderr[-3000:])
     said = resumed.stdout.replace("\n", "")
     assert "resumed from" in said and f"at step {resumed_from}" in said
     rows = records(run_dir)
+    seen = sorted({(r["step"], r["group"] % 2, *r["versions"]) for r in rows})
+    print(f"\nresumed from step {resumed_from}; (step, rank, versions): {seen}")  # noqa: T201
     assert_each_group_once(rows, steps)
-    assert_within_k(rows, k)
+    logged = history(run_dir, steps)
+    assert_within_k(rows, logged, k)
     # the groups in flight at the checkpoint were generated again from the same prompts
     regenerated = {s["group"]: s["problem"]["id"] for rank in in_flight for u in rank for s in u}
     assert {g % 2 for g in regenerated} == {0, 1}
     for r in rows:
         if r["group"] in regenerated:
             assert r["id"] == regenerated[r["group"]] and r["step"] > resumed_from
-    assert max(h["staleness/max"] for h in history(run_dir, steps)) <= k
+    assert max(h["staleness/max"] for h in logged) <= k
     assert not list((run_dir / "weights").glob("step_*"))

@@ -414,6 +414,13 @@ class ServerWorker:
                     )
                 self.engine.seed_rng = random.Random(unit_seed(self.seed, unit[0].group))
                 self.collector.advance(unit)
+                oldest = min((v for s in unit for v in s.versions), default=required)
+                if oldest < required:  # the servers' own stamps, checked: never a quiet breach
+                    held = ", ".join(f"{s.url}: {s.version}" for s in self.pool.servers)
+                    raise RuntimeError(
+                        f"a unit admitted at version {required} has tokens of version {oldest} "
+                        f"(servers hold {held}; pool at {self.pool.version})"
+                    )
                 self._results.put(("unit", unit))
         except PoolClosed:
             return
