@@ -75,14 +75,17 @@ def _preflight(config_name: str, overrides: list[str] | None, multirun: bool = F
         raise _fail(str(exc)) from None
 
 
-def _one_process_regime(name: str) -> None:
-    """A regime whose generation lives in a process of its own (async) has no data parallelism."""
+def _one_process_regime(cfg) -> None:
+    """A regime whose generation lives in a process of its own (async without servers) has no
+    data parallelism."""
     from bapo_cli.staleness.regimes import REGIMES
 
-    if not REGIMES.get(name).data_parallel:
+    name = cfg.staleness.regime
+    if not REGIMES.get(name).data_parallel(cfg):
         raise _fail(
             f"--nproc with staleness.regime={name}: that regime trains in one process (its "
-            "generation worker is the second); drop --nproc"
+            "generation worker is the second); drop --nproc, or generate on vLLM servers "
+            "(rollout.servers=[URL,...] staleness.weights=filesystem)"
         )
 
 
@@ -230,7 +233,7 @@ def train(
         except multinode.LaunchError as err:
             raise _fail(str(err)) from None
         checked = _preflight("train", overrides)  # bad input fails here, before N processes start
-        _one_process_regime(checked.config.staleness.regime)
+        _one_process_regime(checked.config)
         if slurm_script is not None:
             on_gpu = checked.config.model.device != "cpu"
             text = multinode.slurm_script(topo, list(overrides or []), gpus=on_gpu)

@@ -161,8 +161,10 @@ def test_async_on_two_servers(fleet, policy, tmp_path, interrupt) -> None:
     )
 
 
-def _bapo(run_dir: Path, *overrides: str, base: tuple[str, ...] = tuple(FAST)) -> subprocess.Popen:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+def _bapo(
+    run_dir: Path, *overrides: str, base: tuple[str, ...] = tuple(FAST), env: dict | None = None
+) -> subprocess.Popen:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), **(env or {}))
     return subprocess.Popen(
         [sys.executable, "-m", "bapo_cli", "train", *base, *overrides, f"hydra.run.dir={run_dir}"],
         stdout=subprocess.DEVNULL,

@@ -348,8 +348,8 @@ def test_a_dead_worker_stops_training_with_one_line(tmp_path) -> None:
         ),
         (
             ["trainer.strategy=fsdp2"],
-            "trainer.strategy=fsdp2: staleness.regime=async trains in one process (no torchrun): "
-            "use ddp without --nproc",
+            "trainer.strategy=fsdp2: staleness.regime=async trains under ddp (one process, or "
+            "bapo train --nproc N with rollout.servers): use trainer.strategy=ddp",
         ),
         (
             ["staleness.ppo_epochs=2"],
@@ -397,5 +397,6 @@ def test_nproc_with_async_is_refused_before_torchrun_starts() -> None:
     assert done.returncode == 2
     assert done.stderr.strip() == (
         "error: --nproc with staleness.regime=async: that regime trains in one process (its "
-        "generation worker is the second); drop --nproc"
+        "generation worker is the second); drop --nproc, or generate on vLLM servers "
+        "(rollout.servers=[URL,...] staleness.weights=filesystem)"
     )

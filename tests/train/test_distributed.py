@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 import tempfile
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -200,10 +202,17 @@ def test_per_micro_batch_search_is_rank_local_and_allows_uneven_micro_batch_coun
 @pytest.mark.slow
 def test_bapo_train_nproc_2_runs_data_parallel(_output_root: Path) -> None:
     env = {"OMP_NUM_THREADS": "1"}
-    result = run_bapo("train", "--nproc", "2", "experiment=smoke", env=env, timeout=600)
+    more = ("trainer.log_samples=64",)  # every sample of a step (2 ranks x 4 prompts x 4)
+    result = run_bapo("train", "--nproc", "2", "experiment=smoke", *more, env=env, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     runs = list((_output_root / "runs").glob("*/*"))
     assert len(runs) == 1  # one run dir: rank 0's
+    # samples.jsonl holds both ranks' samples; group ids are unique across ranks (rank r's are
+    # r, r + 2, ...): each of the 2 steps x 8 prompts once, with its 4 samples
+    rows = [json.loads(x) for x in (runs[0] / "samples.jsonl").read_text().splitlines()]
+    assert Counter((r["step"], r["group"]) for r in rows) == {
+        (step, g): 4 for step in (1, 2) for g in range(8 * (step - 1), 8 * step)
+    }
     state = torch.load(
         runs[0] / "checkpoints" / "step_000002" / "trainer_state.pt", weights_only=False
     )

@@ -168,6 +168,7 @@ class Collector:
     reward_many: Callable[[list[str], list[Any]], list[float]] | None = None
     dynamic: DynamicSampling | None = None  # algo.dynamic_sampling: see `collect`
     next_group: int = 0
+    group_step: int = 1  # data-parallel: W, so that rank r's group ids r, r + W, ... are unique
     generated_tokens: int = 0
     # |trainer - engine| log-prob over the engine-scored tokens since the last take_mismatch():
     # [sum, max, count]
@@ -182,7 +183,7 @@ class Collector:
                 Sample(prompt_ids=list(prompt), group=self.next_group, problem=problem)
                 for _ in range(self.n)
             ]
-            self.next_group += 1
+            self.next_group += self.group_step
         return samples
 
     def advance(

@@ -190,6 +190,9 @@ class ServerPool:
         # pushes and revivals change which weights a server holds: one at a time (a revival
         # must not load an older version while a push from another thread loads the newest)
         self.lock = threading.RLock()
+        # a revived server's running requests: aborted (its own, already re-sent), or let finish
+        # when other processes send it requests too (data-parallel ranks share the servers)
+        self.revive_mode = "abort"
         self.closed = threading.Event()  # close(): generate() stops waiting for answers
         self.events: list[str] = []  # one line per server going down or coming back
 
@@ -345,12 +348,24 @@ class ServerPool:
         with self.lock:
             try:
                 self._check_one(server)
-                self._push_one(server, self.published, self.version, mode="abort")
+                self._load_revived(server)
             except (ServerError, HTTPStatus):
                 return False  # still down: `last_error` keeps why it went down
             server.alive = True
         self.events.append(f"back {server.url} at version {self.version}")
         return True
+
+    def _load_revived(self, server: Server) -> None:
+        """Bring a server that came back to the newest version (a pool that does not push,
+        `staleness.servers.FollowerPool`, waits for the one that does)."""
+        self._push_one(server, self.published, self.version, mode=self.revive_mode)
+
+    def held_version(self, server: Server) -> int:
+        """The weights version a server stamps on what it samples now (one token)."""
+        sampling = {"max_tokens": 1, "ignore_eos": True, "detokenize": False}
+        body = {"token_ids": [0], "sampling_params": sampling}
+        answer = _call(server.url, "POST", GENERATE, body, CHECK_TIMEOUT_S)
+        return _token_versions(answer["choices"][0].get("weight_versions"), 1, server.url)[0]
 
     # ------------------------------------------------------------------------------- weights
 

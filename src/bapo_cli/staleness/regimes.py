@@ -124,11 +124,14 @@ class Regime:
     # the first mini-batch is trained right away by the weights that sampled it, so its behaviour
     # log-probs may come from that update's own forward instead of a scoring pass
     defer_first: ClassVar[bool] = False
-    # runs under torchrun data parallelism (False: generation lives in a process of its own)
-    data_parallel: ClassVar[bool] = True
     # samples come from a generator of the regime's own (the async worker and its engine); the
     # trainer's engine then only serves validation, on the trainer's own weights (transformers)
     generates_elsewhere: ClassVar[bool] = False
+
+    @classmethod
+    def data_parallel(cls, cfg: TrainConfig) -> bool:
+        """Whether it runs under torchrun data parallelism (`bapo train --nproc N`)."""
+        return True
 
     @classmethod
     def updates_per_batch(cls, k: int) -> int:
@@ -181,8 +184,11 @@ class Regime:
     # A regime that generates outside the training loop (async) starts, feeds and stops its
     # generator through these three; the others generate inside `next_batch` and need none.
 
-    def start(self, cfg: TrainConfig, model: Any, version: int, run_dir: Any = None) -> None:
-        """Before the first step (after any resume): `model` holds the weights of `version`."""
+    def start(
+        self, cfg: TrainConfig, model: Any, version: int, run_dir: Any = None, group: Any = None
+    ) -> None:
+        """Before the first step (after any resume): `model` holds the weights of `version`;
+        `group`: the trainer's DistContext (data-parallel ranks)."""
 
     def publish(self, model: Any, version: int) -> None:
         """After each step's updates: the trainer's weights are now `version`."""
@@ -361,6 +367,12 @@ class AsyncRL(Regime):
     steps trained (one update per step); the queue in front of the worker never holds more than
     k + 1 units, so max_concurrent = (k + 1) * prompts_per_step.
 
+    Data-parallel (generation servers only, `bapo train --nproc N`): each rank runs this regime
+    on its share of the prompt stream (`prompts_per_step` is the rank's share of the step's),
+    with units of its own on the shared servers; the ranks train in lockstep, so `consumed` is
+    the global version on every rank and the rule bounds every rank's tokens by the same k.
+    Rank 0 pushes the weights; another rank admits only after it did (staleness.servers).
+
     Resume: `state_dict` keeps the units submitted but not yet trained (their prompts and group
     ids, not what the worker made of them); a resumed run submits those again first and then
     continues the prompt stream, so every prompt group is trained exactly once and none is
@@ -373,8 +385,13 @@ class AsyncRL(Regime):
     worker: Any = None
     _threads: int | None = None  # this process's torch threads before start (restored on close)
 
-    data_parallel: ClassVar[bool] = False
     generates_elsewhere: ClassVar[bool] = True
+
+    @classmethod
+    def data_parallel(cls, cfg: TrainConfig) -> bool:
+        """On generation servers every rank generates its own units there (rank 0 pushes the
+        weights, staleness.servers); the worker process is one per trainer: one process."""
+        return bool(cfg.rollout.servers)
 
     @classmethod
     def describe(cls, k: int, epochs: int) -> str:
@@ -414,8 +431,8 @@ class AsyncRL(Regime):
             raise ConfigError(
                 "trainer.strategy",
                 cfg.trainer.strategy,
-                "staleness.regime=async trains in one process (no torchrun): use ddp without "
-                "--nproc",
+                "staleness.regime=async trains under ddp (one process, or bapo train --nproc N "
+                "with rollout.servers): use trainer.strategy=ddp",
             )
         if cfg.model.device == "cuda" and not servers:
             raise ConfigError(
@@ -426,9 +443,13 @@ class AsyncRL(Regime):
                 "docs/engines.md), or model.device=cpu",
             )
 
-    def start(self, cfg: TrainConfig, model: Any, version: int, run_dir: Any = None) -> None:
+    def start(
+        self, cfg: TrainConfig, model: Any, version: int, run_dir: Any = None, group: Any = None
+    ) -> None:
         if cfg.rollout.servers:  # vLLM servers generate; this process keeps its threads
-            self.worker = ServerWorker.for_run(cfg, model, version, self.collector, run_dir)
+            self.worker = ServerWorker.for_run(
+                cfg, model, version, self.collector, run_dir, group=group
+            )
             self._admit()
             return
         import torch

@@ -38,6 +38,18 @@ after every push, each server's log-probs of a fixed probe text against the trai
 worker process does: the samples of a unit depend on its prompts and the weights it met, not on
 which server answered or when.
 
+**Data-parallel ranks** (`bapo train --nproc N`, DDP). Every rank has a `ServerWorker` and
+generates its own units (its share of the prompt stream) on the same servers; the ranks step
+together, so each one's admission counts the same global version. Rank 0 alone writes and pushes
+weights: in `publish`, after the step's all-reduce, it writes the version and pushes it to every
+server at once (`pause?mode=wait`, or `keep` under interrupt: the other ranks' requests may be
+running); then every rank meets in one gather: rank 0 hands out the version and the servers
+that hold it, the others hand in their own probe log-probs (`servers/rank_probe_abs_diff_max`:
+rank r's weights against rank 0's, which DDP keeps equal). A rank other than 0 admits its next
+unit only after that gather, so the servers hold every version its unit may be admitted at. Its
+pool (`FollowerPool`) never loads weights: a server rank 0 found down is down for it too, and
+one that comes back is used again once it holds the newest version (rank 0 gives it that).
+
 **Failures.** A server that dies has its requests re-sent to the others (`ServerPool`); each
 request has one answer, so each prompt group is trained exactly once. With none left, `receive`
 raises `ServersDown` (a `WorkerError` the trainer answers with one line and a checkpoint of the
@@ -96,12 +108,38 @@ def weights_root(cfg: Any, run_dir: Path | None) -> Path:
     return (Path(run_dir) / "weights").resolve()
 
 
-def make_pool(cfg: Any, root: Path | None = None) -> ServerPool:
-    """The pool over `rollout.servers`, expecting the run's model (its config only is read)."""
+class FollowerPool(ServerPool):
+    """The pool of a data-parallel rank other than 0: it sends requests but never loads weights
+    (rank 0 does, module docstring); `adopt` takes rank 0's word after each push."""
+
+    def push(self, directory: Path | None, version: int, *, interrupt: bool) -> None:
+        raise RuntimeError("a follower rank's pool does not push weights (rank 0 does)")
+
+    def adopt(self, version: int, alive: list[str]) -> None:
+        """Rank 0 pushed `version` to the servers `alive`: the others are down here too (they
+        come back through `revive`, once they hold it)."""
+        with self.lock:
+            self.version = version
+            for server in self.servers:
+                if server.url in alive:
+                    server.version = version
+                else:
+                    self._down(server, ServerError(f"it missed rank 0's push of version {version}"))
+
+    def _load_revived(self, server: Any) -> None:
+        held = self.held_version(server)
+        if held < self.version:
+            raise ServerError(f"{server.url} holds version {held}, not yet {self.version}")
+        server.version = held
+
+
+def make_pool(cfg: Any, root: Path | None = None, *, follower: bool = False) -> ServerPool:
+    """The pool over `rollout.servers`, expecting the run's model (its config only is read);
+    `follower`: a data-parallel rank other than 0 (`FollowerPool`)."""
     identity = model_identity(
         models.model_dir(cfg.model), trust_remote_code=bool(cfg.model.trust_remote_code)
     )
-    return ServerPool(
+    return (FollowerPool if follower else ServerPool)(
         list(cfg.rollout.servers),
         expect=identity,
         max_model_len=int(cfg.model.max_model_len),
@@ -160,9 +198,18 @@ class ServerWorker:
         seed: int,
         interrupt: bool,
         max_model_len: int,
+        group: Any = None,
     ) -> None:
         if pool.weights_dir is None:
             raise ValueError("a ServerWorker needs a pool with a weights directory")
+        # the trainer's DistContext (rank, world_size, gather) when data-parallel ranks share
+        # the servers; None for one process
+        self.group = group if group is not None and group.world_size > 1 else None
+        self.leader = self.group is None or self.group.rank == 0
+        if self.leader != (not isinstance(pool, FollowerPool)):
+            raise ValueError("rank 0 pushes through a ServerPool, the other ranks a FollowerPool")
+        if self.group is not None:
+            pool.revive_mode = "wait"  # other ranks' requests may be running on a revived server
         self.pool = pool
         self.root = pool.weights_dir
         self.interrupt = interrupt
@@ -197,13 +244,22 @@ class ServerWorker:
 
     @classmethod
     def for_run(
-        cls, cfg: Any, model: torch.nn.Module, version: int, collector: Collector, run_dir: Path
+        cls,
+        cfg: Any,
+        model: torch.nn.Module,
+        version: int,
+        collector: Collector,
+        run_dir: Path,
+        group: Any = None,
     ) -> ServerWorker:
-        """The worker of a training run: its servers, weights directory and sampling."""
+        """The worker of a training run (of one data-parallel rank, `group`: the trainer's
+        DistContext): its servers, weights directory and sampling."""
         root = weights_root(cfg, run_dir)
+        follower = group is not None and group.world_size > 1 and group.rank > 0
         try:
-            weights_fs.check_writable(root)
-            pool = make_pool(cfg, root)
+            if not follower:  # rank 0 alone writes
+                weights_fs.check_writable(root)
+            pool = make_pool(cfg, root, follower=follower)
         except (weights_fs.WeightsDirError, ServerError) as exc:
             raise WorkerError(str(exc)) from None
         return cls(
@@ -215,6 +271,7 @@ class ServerWorker:
             seed=collector.params.seed or 0,
             interrupt=bool(cfg.staleness.interrupt),
             max_model_len=int(cfg.model.max_model_len),
+            group=group,
         )
 
     # ------------------------------------------------------------------------ trainer side
@@ -222,12 +279,43 @@ class ServerWorker:
     def _start(self, model: torch.nn.Module, version: int) -> None:
         """Every server checked and loaded with the trainer's weights as `version` (a server
         may hold another run's weights; a resumed run's are its checkpoint's). Versions a killed
-        run wrote after that point are removed first."""
+        run wrote after that point are removed first. Data-parallel: rank 0 does this, the
+        other ranks check the servers and wait for it (`_share`)."""
+        if not self.leader:
+            self.pool.check()
+            self._share(model, version)
+            return
         weights_fs.remove(self.root, [v for v in weights_fs.versions(self.root) if v >= version])
         directory = self._write(model, version)
         self.pool.start(version, directory)
         self._record_probe(version)
         weights_fs.cleanup(self.root, keep_from=version)
+        self._share(model, version)
+
+    def _share(self, model: torch.nn.Module, version: int) -> None:
+        """Data-parallel ranks, all of them, after rank 0 pushed `version`: one gather. Rank 0
+        hands out the version and the servers that hold it; every other rank adopts them (only
+        then does it admit a unit) and hands in its trainer's probe log-probs, which rank 0
+        compares with its own (`servers/rank_probe_abs_diff_max`)."""
+        if self.group is None:
+            return
+        if self.leader:
+            alive = [s.url for s in self.pool.servers if s.alive]
+            mine: dict[str, Any] = {"version": version, "alive": alive}
+        else:
+            mine = {"probe": trainer_logprobs(model, self.probe).tolist()}
+        every = self.group.gather(mine)
+        if not self.leader:
+            self.pool.adopt(every[0]["version"], every[0]["alive"])
+            with self._lock:
+                self._written = (self.root, version)
+            return
+        with self._lock:
+            want = self._want.get(version)
+        if want is not None:
+            diffs = [(torch.tensor(e["probe"]) - want).abs().max().item() for e in every[1:]]
+            with self._lock:
+                self._stats["rank_probe_abs_diff_max"] = max(diffs)
 
     def _write(self, model: torch.nn.Module, version: int) -> Path:
         t0 = time.perf_counter()
@@ -243,14 +331,17 @@ class ServerWorker:
     def publish(self, model: torch.nn.Module, version: int) -> None:
         """The trainer's weights after a step, as `version`: written now (the servers load them
         before the next unit starts); under staleness.interrupt pushed now as well, pausing the
-        requests in flight."""
-        self._write(model, version)
-        if self.interrupt:
+        requests in flight. Data-parallel: rank 0 writes and pushes now (the other ranks' units
+        share the servers), then every rank meets in `_share`."""
+        if self.leader:
+            self._write(model, version)
+        if self.leader and (self.interrupt or self.group is not None):
             try:
                 self._catch_up()
             except ServerError as exc:  # raised by the next receive: this step is complete
                 with self._lock:
                     self._failure = exc
+        self._share(model, version)
 
     def submit(self, unit: list[Sample]) -> None:
         """Queue a unit; a copy is generated (as the worker process gets a copy), so the unit the
@@ -279,7 +370,8 @@ class ServerWorker:
 
     def take_metrics(self) -> dict[str, float]:
         """`servers/*` since the last call: live servers, requests re-sent, the last write and
-        push seconds, and the largest probe difference |server - trainer| after a push."""
+        push seconds, and the largest probe difference |server - trainer| after a push (rank 0's;
+        data-parallel, also |rank r - rank 0| of the trainers' probe)."""
         with self._lock:
             stats, self._stats = self._stats, {}
             resent = sum(s.resent for s in self.pool.servers)
@@ -322,6 +414,13 @@ class ServerWorker:
                     )
                 self.engine.seed_rng = random.Random(unit_seed(self.seed, unit[0].group))
                 self.collector.advance(unit)
+                oldest = min((v for s in unit for v in s.versions), default=required)
+                if oldest < required:  # the servers' own stamps, checked: never a quiet breach
+                    held = ", ".join(f"{s.url}: {s.version}" for s in self.pool.servers)
+                    raise RuntimeError(
+                        f"a unit admitted at version {required} has tokens of version {oldest} "
+                        f"(servers hold {held}; pool at {self.pool.version})"
+                    )
                 self._results.put(("unit", unit))
         except PoolClosed:
             return
@@ -330,7 +429,10 @@ class ServerWorker:
 
     def _catch_up(self) -> None:
         """Push the newest written version to every live server if they hold an older one (from
-        either thread, one at a time), then probe them and drop the versions left behind."""
+        either thread, one at a time), then probe them and drop the versions left behind.
+        Only rank 0 pushes: another rank's servers hold what rank 0 told it (`_share`)."""
+        if not self.leader:
+            return
         with self._push_lock:
             with self._lock:
                 directory, version = self._written

@@ -105,10 +105,10 @@ def check_parallel(cfg: TrainConfig, ctx: distributed.DistContext) -> None:
     """What data parallelism needs: equal shares of whole prompt groups on every rank."""
     if not ctx.enabled:
         return
-    if not REGIMES.get(cfg.staleness.regime).data_parallel:
+    if not REGIMES.get(cfg.staleness.regime).data_parallel(cfg):
         raise TrainingError(
             f"staleness.regime={cfg.staleness.regime} trains in one process: run it without "
-            "--nproc / torchrun"
+            "--nproc / torchrun, or generate on vLLM servers (rollout.servers)"
         )
     per_batch = REGIMES.get(cfg.staleness.regime).updates_per_batch(cfg.staleness.k)
     parts = ctx.world_size * per_batch

@@ -44,7 +44,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-MAX_KEYS = ("staleness/max", "actor/ratio_max")
+MAX_KEYS = ("staleness/max", "staleness/trajectory_max", "actor/ratio_max")
 STRATEGIES = ("ddp", "fsdp2")
 
 

@@ -1,5 +1,6 @@
 """samples.jsonl in the run dir: the first `trainer.log_samples` samples of each step, one JSON
-row each (rank 0 writes), and on resume the rows of steps after the checkpoint's dropped."""
+row each (rank 0 writes; data-parallel: of the ranks' batches in rank order), and on resume the
+rows of steps after the checkpoint's dropped."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from pathlib import Path
 
 from bapo_cli.rollout.base import Sample
 
-__all__ = ["trim_samples", "write_samples"]
+__all__ = ["append_rows", "sample_rows", "trim_samples"]
 
 
 def trim_samples(path: Path, step: int) -> None:
@@ -33,18 +34,25 @@ def _sample_step(line: str) -> int:
         return 0  # not a row of ours: kept
 
 
-def write_samples(path: Path, step: int, batch: list[Sample], count: int) -> None:
-    if count <= 0:
+def sample_rows(step: int, batch: list[Sample], count: int) -> list[dict]:
+    """The rows of a step's first `count` samples (of this rank's batch)."""
+    return [
+        {
+            "step": step,
+            "id": getattr(s.problem, "id", None),
+            "group": s.group,  # the prompt group: unique per prompt drawn in this run (all ranks)
+            "prompt": getattr(s.problem, "question", None),
+            "response": s.text,
+            "reward": s.reward,
+            "versions": [min(s.versions, default=0), max(s.versions, default=0)],
+        }
+        for s in batch[: max(count, 0)]
+    ]
+
+
+def append_rows(path: Path, rows: list[dict]) -> None:
+    if not rows:
         return
     with path.open("a", encoding="utf-8") as f:
-        for s in batch[:count]:
-            record = {
-                "step": step,
-                "id": getattr(s.problem, "id", None),
-                "group": s.group,  # the prompt group: unique per prompt drawn in this run
-                "prompt": getattr(s.problem, "question", None),
-                "response": s.text,
-                "reward": s.reward,
-                "versions": [min(s.versions, default=0), max(s.versions, default=0)],
-            }
+        for record in rows:
             f.write(json.dumps(record) + "\n")

@@ -50,7 +50,7 @@ from bapo_cli.trainer.progress import TrainProgress, print_summary
 from bapo_cli.trainer.prompts import PromptStream
 from bapo_cli.trainer.run import Run, TrainingError
 from bapo_cli.trainer.run_record import run_name, run_record, run_tags
-from bapo_cli.trainer.samples import write_samples
+from bapo_cli.trainer.samples import append_rows, sample_rows
 from bapo_cli.trainer.step_metrics import step_metrics
 from bapo_cli.trainer.stopping import abandon, agree, step_snapshot
 from bapo_cli.trainer.update import loss_spec
@@ -109,7 +109,7 @@ def train(
             if cfg.trainer.val_every and run.state.step == 0:
                 tracker.log_metrics(_validate(run), step=0)
             # async: the generation worker starts from the weights and version training resumes
-            run.regime.start(cfg, run.model, run.state.version, run_dir=run.run_dir)
+            run.regime.start(cfg, run.model, run.state.version, run_dir=run.run_dir, group=run.ctx)
             stopped = _loop(run, tracker, stop)
             status = "KILLED" if stopped else "FINISHED"
             clean = True  # every rank is past the last step's collectives
@@ -125,7 +125,10 @@ def train(
             status = "KILLED"
             raise
         except WorkerError as err:
-            if getattr(err, "checkpoint_first", False) and run.state.step > 0:  # no server left
+            # no server left: one process saves its last step; data-parallel ranks may meet the
+            # failure at different points, so no collective (the last periodic checkpoint stands)
+            first = getattr(err, "checkpoint_first", False) and run.ctx.world_size == 1
+            if first and run.state.step > 0:
                 save_resume.save(run, tracker)
                 raise TrainingError(
                     f"{err}; step {run.state.step} is saved: {run.last_ckpt}"
@@ -285,6 +288,8 @@ def _build(
         reward=prompts.reward,
         score=run.score,
         reward_many=prompts.reward_many,
+        next_group=ctx.rank,  # group ids unique across ranks: rank r's are r, r + W, ...
+        group_step=ctx.world_size,
         dynamic=DynamicSampling(cfg.algo.resample_rounds) if cfg.algo.dynamic_sampling else None,
     )
     run.regime = make_regime(
@@ -433,9 +438,12 @@ def _train_step(run: Run, stop: GracefulStop, tracker: Any) -> dict[str, float]:
     stop.phase = IDLE
     step_s = time.perf_counter() - t0
     run.rest_s = step_s - rollout_s
+    wanted = run.cfg.trainer.log_samples
+    rows = sample_rows(run.state.step + 1, batch, wanted)
+    if run.ctx.enabled and wanted > 0:  # every rank's, in rank order: the step's first ones
+        rows = [r for rank in run.ctx.gather(rows) for r in rank][:wanted]
     if run.ctx.is_main:
-        samples_file = run.run_dir / "samples.jsonl"
-        write_samples(samples_file, run.state.step + 1, batch, run.cfg.trainer.log_samples)
+        append_rows(run.run_dir / "samples.jsonl", rows)
     metrics = step_metrics(
         batch,
         adv_stats,
