@@ -32,8 +32,10 @@ Which units the worker may start is decided by the trainer (`AsyncRL._admit`, AR
 worker only takes what it is given, in order.
 
 Shutdown: `close()` sets a stop event (seen before any queued unit: the worker closes its engine
-and exits), waits up to STOP_WAIT_S, then SIGTERM, then SIGKILL (the worker holds nothing worth
-saving, and may be in the middle of a unit nobody will read). A worker
+and exits), waits up to STOP_WAIT_S, then SIGTERM, then, TERM_WAIT_S later, SIGKILL (the worker
+holds nothing worth saving, and may be in the middle of a unit nobody will read). SIGTERM ends
+the unit in progress but still closes the engine (a vLLM engine left open leaves semaphores that
+Python's resource tracker reports as "leaked" at exit; under load the close takes seconds). A worker
 whose trainer dies without cleaning up (kill -9) dies with it: Linux's parent-death signal
 (`prctl(PR_SET_PDEATHSIG)`) kills it at once, and where that is missing it notices the new parent
 process id within half a second while it waits for work.
@@ -74,6 +76,7 @@ from bapo_cli.rollout.scoring import (
 
 POLL_S = 0.5  # how often a waiting side checks that the other is still alive
 STOP_WAIT_S = 2.0  # how long `close()` waits for the worker to stop cleanly before signals
+TERM_WAIT_S = 30.0  # after SIGTERM: time for the engine's close (seconds at load), then SIGKILL
 
 
 class WorkerError(RuntimeError):
@@ -171,7 +174,7 @@ class GenerationWorker:
                 raise WorkerError(f"the generation worker failed: {last}")
             return payload
 
-    def close(self, wait_s: float = 5.0) -> None:
+    def close(self, wait_s: float = TERM_WAIT_S) -> None:
         """Stop the worker: a stop request, then SIGTERM, then SIGKILL; no process is left."""
         if self.proc.pid is None or self.requests is None:
             return
@@ -219,9 +222,11 @@ def worker_main(
     rule: it submits at most k + 1 units."""
     _die_with_parent(parent_pid)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C stops the trainer, which stops us
+    signal.signal(signal.SIGTERM, _terminated)  # close(): the unit in progress ends here
     outbox: queue.Queue = queue.Queue()  # bounded by the admission rule: at most k + 1 units
     sender = threading.Thread(target=_send_all, args=(outbox, results), daemon=True)
     sender.start()
+    generate = None
     try:
         generate = _build(spec)
         loaded = -1
@@ -242,12 +247,28 @@ def worker_main(
             outbox.put(("unit", unit))
         # asked to stop: shut the engine down (vLLM's releases its semaphores, which a killed
         # worker would leave to the resource tracker's "leaked" warning)
-        generate.engine.close()
+        _close_engine(generate)
+    except _Terminated:  # close() gave up waiting: nobody reads this unit; the engine still
+        _close_engine(generate)  # closes (its semaphores), and SIGKILL follows if it hangs
     except BaseException:  # noqa: BLE001  (reported to the trainer, then this process ends)
         outbox.put(("error", traceback.format_exc()))
         outbox.put(None)
         sender.join(timeout=5)
         raise SystemExit(1) from None
+
+
+class _Terminated(Exception):
+    """SIGTERM from `close()`: stop the unit in progress, close the engine, exit."""
+
+
+def _terminated(_signum: int, _frame: object) -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # once: the engine's close is not interrupted
+    raise _Terminated
+
+
+def _close_engine(generate: _Generate | None) -> None:
+    if generate is not None:
+        generate.engine.close()
 
 
 def _send_all(outbox: queue.Queue, results: Any) -> None:
