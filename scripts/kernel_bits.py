@@ -4,7 +4,8 @@ A run at the stressed lr ends a seed's width away when one last bit of one kerne
 (docs/study-v3.md, "What is not pinned"). Whole runs take minutes per knob; this takes seconds:
 on fixed inputs it computes, once, each computation a training step of `model=tiny_pairs` is made
 of, and prints a short hash of the exact bytes of each result. Two processes under two
-environments that print the same hash for a line computed the same bits there.
+environments that print the same hash for a line computed the same bits there. The first line
+says which setting the libraries took (an asked-for one can be ignored: MKL_CBWR=AVX2 on AMD).
 
     OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 MKL_CBWR=AVX2 ATEN_CPU_CAPABILITY=avx2 \\
         python scripts/kernel_bits.py [--dtype float64] [--mkldnn-off] [--flush-denormal] \\
@@ -21,6 +22,9 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import os
+import re
+import subprocess
 import sys
 from pathlib import Path
 
@@ -40,6 +44,24 @@ def digest(*tensors: torch.Tensor) -> str:
     for t in tensors:
         h.update(t.detach().contiguous().cpu().numpy().tobytes())
     return h.hexdigest()[:12]
+
+
+def setting() -> str:
+    """What the environment asked for and what the libraries took: ATen's kernel set, and MKL's
+    code branch as MKL_VERBOSE reports it for one SGEMM (MKL_CBWR=AVX2 reads back as AUTO on
+    AMD CPUs: MKL honours only COMPATIBLE there; docs/study-v3.md)."""
+    probe = "import torch; torch.ones(64, 64) @ torch.ones(64, 64)"
+    env = {**os.environ, "MKL_VERBOSE": "1"}
+    done = subprocess.run(
+        [sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=120
+    )
+    cnr = re.search(r"CNR:(\S+)", done.stdout + done.stderr)
+    asked = {k: os.environ.get(k, "-") for k in ("MKL_CBWR", "ATEN_CPU_CAPABILITY")}
+    return (
+        f"# asked MKL_CBWR={asked['MKL_CBWR']} ATEN_CPU_CAPABILITY={asked['ATEN_CPU_CAPABILITY']}"
+        f"; took MKL {cnr.group(1) if cnr else '?'}, ATen "
+        f"{torch.backends.cpu.get_cpu_capability()}, threads {torch.get_num_threads()}"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -114,6 +136,7 @@ def main(argv: list[str] | None = None) -> int:
             pad_token_id=tok.pad_token_id,
         )
     out["generate"] = digest(gen)
+    print(setting())
     for key, value in out.items():
         print(f"{key:<12} {value}")
     return 0
