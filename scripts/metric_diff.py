@@ -43,6 +43,8 @@ def load(store: str) -> dict[str, dict[int, float]]:
     )
     for key, step, value in rows:
         out.setdefault(key, {})[int(step)] = float(value)  # the last value logged at a step
+    if not out:
+        raise SystemExit(f"error: {store}: its run logged no metrics (still starting?)")
     return out
 
 
