@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from bapo_cli.config.schema.model import FLOAT64_ON_CUDA
 from bapo_cli.models import adapters, lora, pretrained
 from bapo_cli.models.errors import ModelLoadError as ModelLoadError  # launch.jobs catches it here
 
@@ -45,7 +46,10 @@ def resolve_device(cfg: Any) -> torch.device:
 
 
 def resolve_dtype(cfg: Any, device: torch.device) -> torch.dtype:
-    """`model.dtype`: auto = bfloat16 on CUDA, float32 elsewhere."""
+    """`model.dtype`: auto = bfloat16 on CUDA, float32 elsewhere. float64 only on the CPU (the
+    config refuses model.device=cuda; this refuses device auto once it resolves to CUDA)."""
+    if cfg.dtype == "float64" and device.type == "cuda":
+        raise ModelLoadError(f"model.dtype=float64 on {device}: {FLOAT64_ON_CUDA}")
     if cfg.dtype == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     dtype = getattr(torch, cfg.dtype, None)

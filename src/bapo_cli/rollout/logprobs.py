@@ -24,7 +24,10 @@ loss in this project differentiates through it.
 Precision: the logits of a chunk are computed in `compute_dtype` (the autocast dtype under mixed
 precision, else the weight's dtype), exactly as `F.linear` under autocast computes them, then cast
 to float32 for the softmax; the backward's matrix products run in the same dtype and the weight
-gradient is accumulated over the chunks in float32, then cast to the weight's dtype.
+gradient is accumulated over the chunks in float32, then cast to the weight's dtype. A float64
+`compute_dtype` (the float64 testbed, `model.dtype=float64`) keeps everything in float64 instead:
+softmax, log-probs, entropy and the accumulated gradients (`accumulate_dtype`); every narrower
+dtype gives exactly the float32 computation above.
 
 `full_vocab_logprobs` is the plain version (the trainer's path before this module): the oracle of
 the tests and the "before" row of benchmarks/bench_memory.py. The trainer does not use it.
@@ -42,14 +45,22 @@ Tensor = torch.Tensor
 DEFAULT_CHUNK = 256
 
 
+def accumulate_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype of softmax, log-probs and gradient sums for matrix products in `dtype`: float64
+    stays float64 (the testbed would lose its point in a float32 softmax); float32, bfloat16 and
+    float16 are summed in float32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
 def _logits(
     hidden: Tensor, weight: Tensor, bias: Tensor | None, dtype: torch.dtype, temperature: float
 ) -> Tensor:
-    """[c, V] float32 logits / T of a chunk, the matrix product in `dtype` (as autocast does).
-    Called with autocast off (see `_ChunkedLogProbs`): every dtype here is chosen explicitly."""
+    """[c, V] logits / T of a chunk in `accumulate_dtype(dtype)` (float32 unless float64), the
+    matrix product in `dtype` (as autocast does). Called with autocast off (see
+    `_ChunkedLogProbs`): every dtype here is chosen explicitly."""
     z = torch.nn.functional.linear(
         hidden.to(dtype), weight.to(dtype), None if bias is None else bias.to(dtype)
-    ).float()
+    ).to(accumulate_dtype(dtype))
     if temperature != 1.0:
         z.div_(temperature)
     return z
@@ -58,9 +69,9 @@ def _logits(
 class _ChunkedLogProbs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, temperature, chunk, dtype, want_entropy):
-        n = hidden.shape[0]
-        logp = torch.empty(n, dtype=torch.float32, device=hidden.device)
-        ent = torch.empty(n if want_entropy else 0, dtype=torch.float32, device=hidden.device)
+        n, acc = hidden.shape[0], accumulate_dtype(dtype)
+        logp = torch.empty(n, dtype=acc, device=hidden.device)
+        ent = torch.empty(n if want_entropy else 0, dtype=acc, device=hidden.device)
         # autocast off: it would run the entropy's bmm in bfloat16 (the softmax stays float32)
         with torch.autocast(hidden.device.type, enabled=False):
             for s in range(0, n, chunk):
@@ -82,15 +93,16 @@ class _ChunkedLogProbs(torch.autograd.Function):
     def backward(ctx, grad_logp, _grad_ent):
         hidden, weight, bias, targets = ctx.saved_tensors
         t, dtype = ctx.temperature, ctx.dtype
+        acc = accumulate_dtype(dtype)
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         grad_h = torch.empty_like(hidden) if need_h else None
-        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
-        grad_b = torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device)
+        grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device)
+        grad_b = torch.zeros(weight.shape[0], dtype=acc, device=weight.device)
         w = weight.to(dtype)
         with torch.autocast(hidden.device.type, enabled=False):
             for s in range(0, hidden.shape[0], ctx.chunk):
                 e = min(s + ctx.chunk, hidden.shape[0])
-                g = grad_logp[s:e, None].float() / t  # [c, 1]
+                g = grad_logp[s:e, None].to(acc) / t  # [c, 1]
                 # softmax as log_softmax computes it (max subtracted first): 1 − p of a token
                 # with p ≈ 1 keeps its digits (exp(z − logsumexp) would lose them)
                 z = torch.softmax(_logits(hidden[s:e], weight, bias, dtype, t), dim=-1)
@@ -104,7 +116,7 @@ class _ChunkedLogProbs(torch.autograd.Function):
                 if need_h:
                     grad_h[s:e] = (gz @ w).to(hidden.dtype)
                 if need_w:
-                    grad_w += (gz.t() @ h).float()
+                    grad_w += (gz.t() @ h).to(acc)
                 del gz
         return (
             grad_h,
@@ -129,9 +141,10 @@ def chunked_logprobs(
     compute_dtype: torch.dtype | None = None,
     entropy: bool = False,
 ) -> tuple[Tensor, Tensor | None]:
-    """(log π(targets) [N] float32, entropy [N] float32 or None) of hidden states [N, H] through the
-    output layer `weight` [V, H] (+ `bias`), logits divided by `temperature`; differentiable in
-    hidden, weight and bias, never holding more than [chunk, V].
+    """(log π(targets) [N], entropy [N] or None) of hidden states [N, H] through the output layer
+    `weight` [V, H] (+ `bias`), logits divided by `temperature`; differentiable in hidden, weight
+    and bias, never holding more than [chunk, V]. Float32, or float64 when the matrix products
+    are float64 (`accumulate_dtype`).
 
     `compute_dtype`: the dtype of the output layer's matrix products (the autocast dtype under
     mixed precision); None = the weight's dtype."""
@@ -148,10 +161,11 @@ def chunked_logprobs(
 def full_vocab_logprobs(
     logits: Tensor, targets: Tensor, temperature: float = 1.0, *, entropy: bool = False
 ) -> tuple[Tensor, Tensor | None]:
-    """The plain version on full logits [..., V]: float32 log_softmax, gather, entropy from exp.
+    """The plain version on full logits [..., V]: float32 (float64 logits stay float64)
+    log_softmax, gather, entropy from exp.
     What the trainer did before `chunked_logprobs`; kept as the tests' oracle and the benchmark's
     'before' row."""
-    logits = logits.float()
+    logits = logits.to(accumulate_dtype(logits.dtype))
     if temperature > 0 and temperature != 1.0:
         logits = logits / temperature
     logp_all = torch.log_softmax(logits, dim=-1)

@@ -20,7 +20,7 @@ import torch
 
 from bapo_cli.models.loading import autocast_to
 from bapo_cli.rollout.base import Sample
-from bapo_cli.rollout.logprobs import DEFAULT_CHUNK, chunked_logprobs
+from bapo_cli.rollout.logprobs import DEFAULT_CHUNK, accumulate_dtype, chunked_logprobs
 
 Tensor = torch.Tensor
 
@@ -64,8 +64,16 @@ class MicroBatch:
         return sum(len(s.response_ids) for s in self.samples)
 
 
-def collate(samples: Sequence[Sample], pad_id: int, device: torch.device) -> MicroBatch:
-    """Samples → tensors. Deterministic: the same samples give the same tensors."""
+def collate(
+    samples: Sequence[Sample],
+    pad_id: int,
+    device: torch.device,
+    dtype: torch.dtype = torch.float32,
+) -> MicroBatch:
+    """Samples → tensors. Deterministic: the same samples give the same tensors. `dtype`: of the
+    behaviour log-probs and advantages, the log-probs' dtype (`logprob_dtype` of the policy):
+    float32, or float64 for a float64 policy, whose recorded log-probs would otherwise be rounded
+    to float32 and make an on-policy ratio differ from 1."""
     b = len(samples)
     width = max(len(s.prompt_ids) + len(s.response_ids) for s in samples)
     resp = max(max(len(s.response_ids) for s in samples), 1)
@@ -74,9 +82,9 @@ def collate(samples: Sequence[Sample], pad_id: int, device: torch.device) -> Mic
     gather_pos = torch.zeros((b, resp), dtype=torch.long)
     targets = torch.full((b, resp), pad_id, dtype=torch.long)
     mask = torch.zeros((b, resp), dtype=torch.bool)
-    old = torch.zeros((b, resp), dtype=torch.float32)
+    old = torch.zeros((b, resp), dtype=dtype)
     versions = torch.zeros((b, resp), dtype=torch.long)
-    adv = torch.zeros(b, dtype=torch.float32)
+    adv = torch.zeros(b, dtype=dtype)
     for i, s in enumerate(samples):
         p, r = len(s.prompt_ids), len(s.response_ids)
         input_ids[i, : p + r] = torch.tensor(s.prompt_ids + s.response_ids, dtype=torch.long)
@@ -88,7 +96,7 @@ def collate(samples: Sequence[Sample], pad_id: int, device: torch.device) -> Mic
             versions[i, :r] = torch.tensor(s.versions, dtype=torch.long)
             known = len(s.logprobs)
             if known:
-                old[i, :known] = torch.tensor(s.logprobs, dtype=torch.float32)
+                old[i, :known] = torch.tensor(s.logprobs, dtype=dtype)
     token_rows, token_cols = mask.nonzero(as_tuple=True)  # on the host: no device sync later
     return MicroBatch(
         samples=list(samples),
@@ -103,6 +111,12 @@ def collate(samples: Sequence[Sample], pad_id: int, device: torch.device) -> Mic
         token_rows=token_rows.to(device),
         token_cols=token_cols.to(device),
     )
+
+
+def logprob_dtype(model: torch.nn.Module) -> torch.dtype:
+    """The dtype of the log-probs `token_logprobs` gives for `model` (float64 for a float64
+    policy, else float32): what `collate` stores the behaviour log-probs and advantages in."""
+    return accumulate_dtype(next(model.parameters()).dtype)
 
 
 def pack_by_tokens(lengths: Sequence[int], budget: int) -> list[list[int]]:
@@ -176,8 +190,8 @@ class ResponseLogits(torch.nn.Module):
         temperature: float = 1.0,
         entropy: bool = False,
     ) -> tuple[Tensor, Tensor | None]:
-        """(log-probs [b, R] float32, 0 except at the real response tokens (`rows`, `cols`);
-        entropy [b, R] or None, no gradient)."""
+        """(log-probs [b, R] float32 (float64 for a float64 policy), 0 except at the real
+        response tokens (`rows`, `cols`); entropy [b, R] or None, no gradient)."""
         with autocast_to(self.autocast, input_ids.device):
             decoder = self.model.get_decoder()
             hidden = decoder(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
@@ -194,7 +208,7 @@ class ResponseLogits(torch.nn.Module):
             compute_dtype=dtype,
             entropy=entropy,
         )
-        full = torch.zeros(targets.shape, dtype=torch.float32, device=targets.device)
+        full = torch.zeros(targets.shape, dtype=logp.dtype, device=targets.device)
         out_ent = None
         if ent is not None:
             out_ent = full.index_put((rows, cols), ent)
@@ -213,7 +227,8 @@ def scorer_of(model: torch.nn.Module) -> torch.nn.Module:
 def token_logprobs(
     model: torch.nn.Module, mb: MicroBatch, temperature: float, *, entropy: bool = False
 ) -> tuple[Tensor, Tensor | None]:
-    """log π(y_t | y_<t) of every response token, [b, R] float32 (and entropy, no grad).
+    """log π(y_t | y_<t) of every response token, [b, R] float32, or float64 for a float64
+    policy (and entropy, no grad).
 
     `model` is a HF causal LM or its `ResponseLogits` (possibly wrapped in DDP or sharded by
     FSDP2). Logits are divided by the sampling temperature, so the log-probs are those of the

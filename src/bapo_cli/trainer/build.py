@@ -30,13 +30,15 @@ def make_policy(
 ) -> tuple[torch.nn.Module, Any, torch.nn.Module | None, torch.nn.Module, torch.dtype | None]:
     """(policy, tokenizer, KL reference, scorer, autocast dtype). Mixed precision: float32
     weights and optimizer state, forwards in model.dtype (autocast; FSDP2 casts through its
-    MixedPrecisionPolicy instead)."""
+    MixedPrecisionPolicy instead). Only a dtype narrower than float32 is mixed: float32 runs as
+    it is, and float64 (the replication testbed, docs/study-v3.md) keeps weights, optimizer state
+    and forwards in float64 under either trainer.precision (autocast has no float64)."""
     use_lora = lora.enabled(cfg.model)  # resume: base from model.path, adapter from checkpoint
     from_ckpt = resume_from is not None and not use_lora
     model_cfg = replace(cfg.model, path=str(resume_from)) if from_ckpt else cfg.model
     device = models.resolve_device(model_cfg)
     compute_dtype = models.resolve_dtype(model_cfg, device)
-    mixed = cfg.trainer.precision == "mixed" and compute_dtype != torch.float32
+    mixed = cfg.trainer.precision == "mixed" and compute_dtype.itemsize < 4  # bf16 / fp16
     stored_dtype = torch.float32 if mixed else compute_dtype
     autocast = compute_dtype if mixed and not ctx.sharded else None
     if use_lora:

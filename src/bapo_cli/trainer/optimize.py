@@ -102,7 +102,7 @@ def _prepare(
     the mask set to 0 (a 0-dim device tensor: no host sync here), else None."""
     cfg = run.cfg
     mb.advantages = torch.tensor(
-        [s.advantage for s in mb.samples], dtype=torch.float32, device=mb.mask.device
+        [s.advantage for s in mb.samples], dtype=mb.old_log_prob.dtype, device=mb.mask.device
     )
     if first and mb.unscored:  # deferred: scored by this update's forward
         mb.old_is_current = True

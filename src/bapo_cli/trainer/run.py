@@ -15,7 +15,13 @@ from rich.console import Console
 from bapo_cli.config.schema import TrainConfig
 from bapo_cli.rollout.base import Sample
 from bapo_cli.rollout.collect import Collector
-from bapo_cli.rollout.scoring import MicroBatch, collate, record_behaviour, split_micro
+from bapo_cli.rollout.scoring import (
+    MicroBatch,
+    collate,
+    logprob_dtype,
+    record_behaviour,
+    split_micro,
+)
 from bapo_cli.staleness.regimes import Regime
 from bapo_cli.trainer import checkpoint, distributed
 from bapo_cli.trainer.prompts import PromptStream
@@ -72,9 +78,10 @@ class Run:
         """Mini-batches (one per optimizer update) of micro-batches; the same split scores the
         behaviour log-probs and trains, so an on-policy update sees identical tensors."""
         trainer, pad = self.cfg.trainer, self.tokenizer.pad_token_id
+        dtype = logprob_dtype(self.model)  # float64 under model.dtype=float64, else float32
         return [
             [
-                collate(micro, pad, self.device)
+                collate(micro, pad, self.device, dtype)
                 for micro in split_micro(
                     part, size=trainer.micro_batch_size, tokens=trainer.micro_batch_tokens
                 )

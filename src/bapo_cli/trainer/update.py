@@ -43,6 +43,7 @@ from bapo_cli.algos import diagnostics, losses
 from bapo_cli.algos import ess as ess_lib
 from bapo_cli.algos.bounds import BapoBounds, BoundSearch, rho_from_sums
 from bapo_cli.algos.proximal import loglinear_prox
+from bapo_cli.rollout.logprobs import accumulate_dtype
 from bapo_cli.rollout.scoring import MicroBatch, token_logprobs
 from bapo_cli.trainer import seq_grads
 from bapo_cli.trainer.distributed import DistContext
@@ -422,7 +423,8 @@ def behaviour_weights(prox: Tensor, behav: Tensor, mask: Tensor, cap: float) -> 
     dropped (weight 0), as AReaL does, rather than truncated: its correction would dominate the
     batch. Masked positions get 1. The caller multiplies the advantages by it (a positive factor
     per token leaves the side a ratio clips on unchanged)."""
-    weight = torch.exp(prox.detach().float() - behav.detach().float())
+    dtype = accumulate_dtype(torch.promote_types(prox.dtype, behav.dtype))  # float64 testbed
+    weight = torch.exp(prox.detach().to(dtype) - behav.detach().to(dtype))
     weight = torch.where(weight <= cap, weight, 0.0)
     return torch.where(mask, weight, 1.0)
 
@@ -446,13 +448,14 @@ def tis_weights(
     one below 1 / cap too (verl's rollout_rs token / sequence rejection keeps [1/cap, cap]).
     """
     b, width = mb.mask.shape
-    trainer = torch.zeros((b, width), dtype=torch.float32)
-    engine = torch.zeros((b, width), dtype=torch.float32)
+    dtype = mb.old_log_prob.dtype  # float32 (float64 only on the testbed, which has no engine's)
+    trainer = torch.zeros((b, width), dtype=dtype)
+    engine = torch.zeros((b, width), dtype=dtype)
     for i, s in enumerate(mb.samples):
         known = min(len(s.engine_logprobs), len(s.logprobs), width)
         if known:
-            trainer[i, :known] = torch.tensor(s.logprobs[:known], dtype=torch.float32)
-            engine[i, :known] = torch.tensor(s.engine_logprobs[:known], dtype=torch.float32)
+            trainer[i, :known] = torch.tensor(s.logprobs[:known], dtype=dtype)
+            engine[i, :known] = torch.tensor(s.engine_logprobs[:known], dtype=dtype)
     log_ratio = trainer - engine  # 0 where a token has no engine log-prob
     if level == "sequence":  # one weight per sequence: the product of its tokens' ratios
         log_ratio = log_ratio.sum(dim=1, keepdim=True).expand(b, width)

@@ -54,7 +54,14 @@ class TinyModelConfig:
         _positive("sft_batch_size", self.sft_batch_size)
 
 
-DTYPES = ("auto", "float32", "bfloat16", "float16")
+# float64: the CPU replication testbed (docs/study-v3.md, "What is not pinned"): the transformers
+# engine only (vLLM has no float64), and not on CUDA (ModelConfig.check says why)
+DTYPES = ("auto", "float32", "bfloat16", "float16", "float64")
+FLOAT64_ON_CUDA = (
+    "float64 is a CPU testbed for kernel rounding (docs/study-v3.md): on CUDA the engine auto "
+    "picks (vLLM) has no float64, consumer GPUs run it at 1/64 of float32, and it does not make "
+    "CUDA's kernels deterministic; use model.device=cpu, or float32/bfloat16"
+)
 DEVICES = ("auto", "cpu", "cuda")
 
 
@@ -87,7 +94,11 @@ class ModelConfig:
 
     name: str = opt("tiny", "preset name, for display and run tags")
     path: str = opt("tiny", "HF model id, local checkpoint dir, or 'tiny' (built locally)")
-    dtype: str = opt("auto", "auto = bfloat16 on CUDA, float32 on CPU")
+    dtype: str = opt(
+        "auto",
+        "auto = bfloat16 on CUDA, float32 on CPU; float64 = the CPU replication testbed "
+        "(rollout=hf only)",
+    )
     device: str = opt("auto", "auto = cuda when available, else cpu")
     gradient_checkpointing: bool = opt(False, "recompute activations to save memory")
     trust_remote_code: bool = opt(False, "allow custom modelling code from the hub")
@@ -103,6 +114,8 @@ class ModelConfig:
             raise ConfigError("path", self.path, "must name a HF id, a directory or 'tiny'")
         _one_of("dtype", self.dtype, DTYPES)
         _one_of("device", self.device, DEVICES)
+        if self.dtype == "float64" and self.device == "cuda":
+            raise ConfigError("dtype", self.dtype, FLOAT64_ON_CUDA)
         _positive("max_model_len", self.max_model_len)
         if self.path == "tiny" and self.tiny is None:
             raise ConfigError("tiny", None, "model.path=tiny needs the tiny settings (model=tiny)")

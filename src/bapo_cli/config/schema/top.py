@@ -65,6 +65,7 @@ class TrainConfig:
                 "divides by)",
             )
         _check_offpolicy_losses(self)
+        check_float64(self.model.dtype, self.rollout.name, bool(self.rollout.servers))
         truncated = self.rollout.top_p < 1.0 or self.rollout.top_k > 0
         for key, value in (
             ("rollout.tis_cap", self.rollout.tis_cap),
@@ -80,6 +81,23 @@ class TrainConfig:
                 )
         server_rules.check_train(self)  # generation servers (config/servers.py)
         regime_class(self.staleness.regime).check_run(self)  # the regime's rules across groups
+
+
+def check_float64(dtype: str, engine: str, served: bool) -> None:
+    """model.dtype=float64 (the CPU testbed) generates with the transformers engine only: vLLM
+    (rollout=vllm, or generation servers, which are vLLM) has no float64 weights or kernels."""
+    if dtype != "float64":
+        return
+    if engine == "vllm":
+        raise ConfigError(
+            "rollout.name", engine, "model.dtype=float64 needs rollout=hf (vLLM has no float64)"
+        )
+    if served:
+        raise ConfigError(
+            "model.dtype",
+            dtype,
+            "generation servers are vLLM, which has no float64: drop the servers, or use float32",
+        )
 
 
 def _check_offpolicy_losses(cfg: TrainConfig) -> None:
@@ -135,4 +153,5 @@ class EvalRunConfig:
     paths: PathsConfig = opt(MISSING, "output locations")
 
     def check(self) -> None:
+        check_float64(self.model.dtype, self.rollout.name, self.eval.server is not None)
         server_rules.check_eval(self)  # generation servers (config/servers.py)

@@ -85,7 +85,8 @@ class TrainerConfig:
         "mixed",
         "mixed: float32 weights and AdamW state, forwards in model.dtype (autocast; FSDP2's "
         "MixedPrecisionPolicy); pure: weights in model.dtype (half the memory, but bfloat16 "
-        "weights round away updates below ~0.4% of a weight, e.g. lr 1e-6)",
+        "weights round away updates below ~0.4% of a weight, e.g. lr 1e-6); model.dtype="
+        "float32 or float64 is the same under both",
     )
     dist_timeout_min: float = opt(
         60.0,
