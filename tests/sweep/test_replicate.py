@@ -137,3 +137,19 @@ def test_the_committed_stage_one_csv_reads_back() -> None:
     out = rep.verdicts({"B": runs}, 6e-4)
     diff, p, _ = out[("reuse8", "bapo0.5")]["B"]
     assert round(diff, 3) == 0.043 and round(p, 3) == 0.230  # docs/study-v3.md, stage 1
+
+
+def test_the_committed_pooled_verdict_reads_back() -> None:
+    """docs/study-v3.md's pooled Q1 answers, re-drawn from the committed per-run CSVs (96 runs)."""
+    r = REPO / "docs/study-v3/replication"
+    a = rep.load_setting(f"{r}/stage2-setting-A.csv,{r}/stage3-setting-A.csv")
+    b = rep.load_setting(f"{r}/stage1-setting-B.csv,{r}/stage3-setting-B.csv")
+    assert len(a) == len(b) == 48 and {x.seed for x in a} == {x.seed for x in b} == set(range(8))
+    out = rep.verdicts({"A": a, "B": b}, 6e-4)
+    answers = {c: (round(v["pooled"][0], 3), v["pooled"][3]) for c, v in out.items()}
+    assert answers == {
+        ("reuse8", "bapo0.4"): (-0.010, "no"),
+        ("reuse8", "bapo0.5"): (0.045, "yes"),
+        ("lag8", "bapo0.4"): (-0.044, "replicated harm"),
+        ("lag8", "bapo0.5"): (0.045, "yes"),
+    }
