@@ -206,23 +206,25 @@ def test_a_push_with_interrupt_lands_mid_response(fleet, policy, tmp_path) -> No
     requests = [Request(p, (), 160) for p in prompts(tokenizer, 8)]
     temperature = 1.5
     params = SamplingParams(temperature=temperature, max_tokens=160, seed=7)
+    try:  # version 1 written before the responses start: the push itself is all that races them
+        perturb(model, seed=2)
+        directory = weights_fs.write_version(model.named_parameters(), tmp_path / "weights", 1)
+        pushed = snapshot(model)
+    finally:
+        model.load_state_dict(original)
     start = sum(generated_tokens(u) for u in fleet.urls)
     seeds = request_seeds(8, params)
     # every response runs to 160 tokens (the tiny model ends most within 10): the push lands
-    # while they run
+    # while they run, once they have begun (a loaded CPU once finished all 8 x 160 before a
+    # push that also wrote the weights, started at 80 tokens, paused the servers)
     thread, result = in_background(
         lambda: pool.generate(requests, params, seeds, EOS, ignore_eos=True)
     )
     deadline = time.monotonic() + 120
-    while sum(generated_tokens(u) for u in fleet.urls) - start < 80:  # well under 8 x 160
+    while sum(generated_tokens(u) for u in fleet.urls) - start < 16:  # 8 x 160 in all
         assert time.monotonic() < deadline and thread.is_alive(), result
-        time.sleep(0.05)
-    try:
-        perturb(model, seed=2)
-        pool.publish(model.named_parameters(), 1, interrupt=True)
-        pushed = snapshot(model)
-    finally:
-        model.load_state_dict(original)
+        time.sleep(0.02)
+    pool.push(directory, 1, interrupt=True)
     gens = joined(thread, result)
     spanning = [g for g in gens if set(g.versions) == {0, 1}]
     assert spanning, [(len(g.token_ids), sorted(set(g.versions))) for g in gens]
