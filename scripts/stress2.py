@@ -86,13 +86,11 @@ def load(uri: str, experiment: str = EXPERIMENT) -> list[study_v3.Run]:
     report.label_runs(data)
     runs, cells = [], {}
     for d in data:
-        missing = [k for k in ("experiment", "trainer.lr", "trainer.seed") if k not in d.facets]
-        if missing:
-            raise report.ReportError(
-                f"run {d.run_id[:12]} has no {', '.join(missing)}: not a job of the design's "
-                "sweeps (`bapo train -m ... experiment=study_v3_reuse8,study_v3_lag8 "
-                "trainer.lr=6e-4 trainer.seed=...`)"
-            )
+        study_v3.require_facets(
+            d,
+            "not a job of the design's sweeps (`bapo train -m ... "
+            "experiment=study_v3_reuse8,study_v3_lag8 trainer.lr=6e-4 trainer.seed=...`)",
+        )
         config = configuration(d.facets)
         if config in DECOUPLED and d.facets.get("algo.behav_weight_cap") != BEHAV_CAP:
             raise report.ReportError(

@@ -56,13 +56,11 @@ def load(uri: str, experiment: str = "study_v3") -> list[Run]:
     runs = []
     for d in data:
         values = {**d.values, "net entropy push": report.net_entropy_push(d)}
-        missing = [k for k in ("experiment", "trainer.lr", "trainer.seed") if k not in d.facets]
-        if missing:
-            raise report.ReportError(
-                f"run {d.run_id[:12]} has no {', '.join(missing)}: not a study v3 sweep job "
-                "(its runs are `bapo train -m experiment=study_v3_... trainer.lr=... "
-                "trainer.seed=...`)"
-            )
+        require_facets(
+            d,
+            "not a study v3 sweep job (its runs are `bapo train -m experiment=study_v3_... "
+            "trainer.lr=... trainer.seed=...`)",
+        )
         runs.append(
             Run(
                 arm=d.facets["experiment"].removeprefix("study_v3_"),
@@ -73,6 +71,17 @@ def load(uri: str, experiment: str = "study_v3") -> list[Run]:
             )
         )
     return runs
+
+
+SWEEP_FACETS = ("experiment", "trainer.lr", "trainer.seed")
+
+
+def require_facets(run: report.RunData, what: str) -> None:
+    """One line naming the run and what it lacks when it is not a sweep job (no experiment,
+    lr or seed facet); `what` says which sweeps its runs come from."""
+    missing = [k for k in SWEEP_FACETS if k not in run.facets]
+    if missing:
+        raise report.ReportError(f"run {run.run_id[:12]} has no {', '.join(missing)}: {what}")
 
 
 def cell(runs: list[Run], arm: str, lr: float, algo: str, key: str) -> list[float]:

@@ -15,11 +15,8 @@ The kill-a-server test is last: it leaves both servers dead (a later test restar
 from __future__ import annotations
 
 import json
-import os
 import re
 import signal
-import subprocess
-import sys
 import time
 from collections import Counter
 from pathlib import Path
@@ -34,6 +31,7 @@ from bapo_cli.trainer import checkpoint
 from bapo_cli.trainer.train import train
 from tests.servers.test_pool import LOGPROB_TOL, generated_tokens, trainer_logprobs
 from tests.train.conftest import FAST
+from tests.train.test_async import _bapo, _wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -159,29 +157,6 @@ def test_async_on_two_servers(fleet, policy, tmp_path, interrupt) -> None:
         f"\ninterrupt={interrupt}: staleness max {max(stale)}, {spanning}/{len(rows)} responses "
         f"span versions, worst |server - trainer| {worst:.2e}, probes {max(probes):.2e}"
     )
-
-
-def _bapo(
-    run_dir: Path, *overrides: str, base: tuple[str, ...] = tuple(FAST), env: dict | None = None
-) -> subprocess.Popen:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), **(env or {}))
-    return subprocess.Popen(
-        [sys.executable, "-m", "bapo_cli", "train", *base, *overrides, f"hydra.run.dir={run_dir}"],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=env,
-    )
-
-
-def _wait_for(condition, timeout_s: float, what: str, proc: subprocess.Popen | None = None):
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if proc is not None and proc.poll() is not None:
-            raise AssertionError(f"the trainer exited ({proc.returncode}) before {what}")
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.05)
 
 
 def _steps_logged(run_dir: Path) -> int:

@@ -265,10 +265,13 @@ def test_a_vllm_worker_is_closed_cleanly_when_training_ends(tmp_path) -> None:
     assert _workers() == []
 
 
-def _bapo(run_dir: Path, *overrides: str) -> subprocess.Popen:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+def _bapo(
+    run_dir: Path, *overrides: str, base: tuple[str, ...] = tuple(FAST), env: dict | None = None
+) -> subprocess.Popen:
+    """`bapo train` in the background (also the generation-server tests' trainer)."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), **(env or {}))
     return subprocess.Popen(
-        [sys.executable, "-m", "bapo_cli", "train", *FAST, *overrides, f"hydra.run.dir={run_dir}"],
+        [sys.executable, "-m", "bapo_cli", "train", *base, *overrides, f"hydra.run.dir={run_dir}"],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         text=True,
@@ -276,9 +279,12 @@ def _bapo(run_dir: Path, *overrides: str) -> subprocess.Popen:
     )
 
 
-def _wait_for(condition, timeout_s: float, what: str) -> None:
+def _wait_for(condition, timeout_s: float, what: str, proc: subprocess.Popen | None = None):
+    """Poll `condition`; fail on the timeout, or at once if `proc` (the trainer) has exited."""
     deadline = time.monotonic() + timeout_s
     while not condition():
+        if proc is not None and proc.poll() is not None:
+            raise AssertionError(f"the trainer exited ({proc.returncode}) before {what}")
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out waiting for {what}")
         time.sleep(0.05)
