@@ -69,6 +69,7 @@ def test_study_v3_calls_only_public_report_names() -> None:
     }
     assert used == {
         "ReportError",
+        "RunData",
         "holm",
         "label_runs",
         "load_runs",

@@ -15,6 +15,7 @@ import pickle
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections import Counter
 from pathlib import Path
@@ -28,7 +29,7 @@ from bapo_cli.config.preflight import PreflightError, preflight
 from bapo_cli.models import loading as models
 from bapo_cli.rollout.base import Sample, SamplingParams
 from bapo_cli.staleness.regimes import admission_capacity
-from bapo_cli.staleness.worker import GenerationWorker, WorkerSpec
+from bapo_cli.staleness.worker import GenerationWorker, WorkerError, WorkerSpec
 from bapo_cli.trainer import checkpoint
 from bapo_cli.trainer.train import train
 from tests.rollout.conftest import perturb_embedding, score_with
@@ -341,6 +342,37 @@ def test_a_dead_worker_stops_training_with_one_line(tmp_path) -> None:
         f"error: the generation worker (pid {worker.pid}) exited with code -9 without an error "
         "report"
     ), err
+
+
+def test_a_worker_killed_holding_the_weights_lock_fails_publish_instead_of_hanging() -> None:
+    # the lock a killed worker held while copying weights in is never released; this process
+    # takes it here to stand in for that worker (CI once hung in publish() after a kill -9)
+    spec, model, _ = _worker_spec(interrupt=False, max_tokens=4)
+    worker = GenerationWorker(spec, model, version=0)
+    try:
+        assert worker.lock.acquire(timeout=5)
+        worker.proc.kill()
+        outcome: list[BaseException | None] = []
+
+        def publish() -> None:
+            try:
+                worker.publish(model, 1)
+                outcome.append(None)
+            except BaseException as exc:  # noqa: BLE001  (inspected below)
+                outcome.append(exc)
+
+        thread = threading.Thread(target=publish, daemon=True)
+        thread.start()
+        thread.join(timeout=30)
+        assert not thread.is_alive(), "publish() waited on a dead worker's lock"
+        (exc,) = outcome
+        assert isinstance(exc, WorkerError)
+        assert str(exc) == (
+            f"the generation worker (pid {worker.pid}) exited with code -9 without an error report"
+        )
+    finally:
+        worker.lock.release()
+        worker.close()
 
 
 @pytest.mark.parametrize(

@@ -147,10 +147,28 @@ class GenerationWorker:
     def publish(self, model: torch.nn.Module, version: int) -> None:
         """The trainer's current weights into shared memory, stamped `version` (the worker takes
         them before its next unit)."""
-        with self.lock, torch.no_grad():
-            for name, t in model.state_dict().items():
-                self.shared[name].copy_(t)
-            self.version.value = version
+        self._acquire_weights_lock()
+        try:
+            with torch.no_grad():
+                for name, t in model.state_dict().items():
+                    self.shared[name].copy_(t)
+                self.version.value = version
+        finally:
+            self.lock.release()
+
+    def _acquire_weights_lock(self) -> None:
+        """The weights' lock, or a WorkerError: a worker killed while it copied the weights in
+        never releases the lock, and waiting on it without a timeout would hang the trainer."""
+        while not self.lock.acquire(timeout=POLL_S):
+            if not self.proc.is_alive():
+                raise self._died()
+
+    def _died(self) -> WorkerError:
+        self.proc.join(timeout=5)
+        return WorkerError(
+            f"the generation worker (pid {self.proc.pid}) exited with code "
+            f"{self.proc.exitcode} without an error report"
+        )
 
     def submit(self, unit: list[Sample]) -> None:
         self.requests.put(unit)
@@ -164,11 +182,7 @@ class GenerationWorker:
                     continue
                 kind, payload = self.results.recv()
             except (EOFError, OSError):
-                self.proc.join(timeout=5)
-                raise WorkerError(
-                    f"the generation worker (pid {self.proc.pid}) exited with code "
-                    f"{self.proc.exitcode} without an error report"
-                ) from None
+                raise self._died() from None
             if kind == "error":
                 last = payload.strip().splitlines()[-1] if payload.strip() else "unknown error"
                 raise WorkerError(f"the generation worker failed: {last}")
