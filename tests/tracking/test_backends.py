@@ -5,6 +5,7 @@ by a run that does not use it. Runs are real: W&B offline, TensorBoard event fil
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -62,6 +63,15 @@ def _forget_dead_wandb_service() -> None:
 
     import_hooks.unregister_all_post_import_hooks()
     service_token.clear_service_in_env()  # else the new setup dials the dead socket again
+    setup = wandb_setup._singleton
+    connection = getattr(setup, "_connection", None)
+    if connection is not None:
+        # its exit hook would tear the dead connection down when pytest exits and print a
+        # ConnectionResetError traceback under the test summary (CI's log): tear it down now,
+        # quietly (the hook is unregistered first, then the send to the dead socket fails)
+        with contextlib.suppress(Exception):
+            connection.teardown(0)
+        setup._connection = None
     wandb_setup._singleton = None
 
 
