@@ -24,14 +24,12 @@ from bapo_cli.trainer import checkpoint
 from tests.conftest import run_bapo
 from tests.servers.test_pool import LOGPROB_TOL, generated_tokens
 from tests.servers.test_train_servers import (
-    _bapo,
     _both_servers_up,  # noqa: F401  (autouse: both servers up before each test)
-    _wait_for,
     assert_each_group_once,
     records,
     servers_args,
 )
-from tests.train.conftest import FAST
+from tests.train.conftest import FAST, train_in_background, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -126,9 +124,9 @@ def test_kill_9_of_both_ranks_then_resume_trains_every_group_exactly_once(fleet,
         "trainer.save_every=2",
     )
     run_dir = tmp_path / "killed"
-    trainer = _bapo(run_dir, *args, env=ONE_THREAD)
+    trainer = train_in_background(run_dir, *args, env=ONE_THREAD)
     root = run_dir / "checkpoints"
-    _wait_for(
+    wait_for(
         lambda: (checkpoint.step_dir(root, 4) / "trainer_state.pt").exists(), 600, "step 4", trainer
     )
     tree = [trainer.pid, *(p.pid for p in psutil.Process(trainer.pid).children(recursive=True))]

@@ -30,8 +30,7 @@ from bapo_cli.models import loading as models
 from bapo_cli.trainer import checkpoint
 from bapo_cli.trainer.train import train
 from tests.servers.test_pool import LOGPROB_TOL, generated_tokens, trainer_logprobs
-from tests.train.conftest import FAST
-from tests.train.test_async import _bapo, _wait_for
+from tests.train.conftest import FAST, train_in_background, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -175,9 +174,9 @@ def test_kill_9_of_the_trainer_then_resume_trains_every_group_exactly_once(fleet
         "trainer.save_every=2",
     )
     run_dir = tmp_path / "killed"
-    trainer = _bapo(run_dir, *args)
+    trainer = train_in_background(run_dir, *args)
     root = run_dir / "checkpoints"
-    _wait_for(
+    wait_for(
         lambda: (checkpoint.step_dir(root, 4) / "trainer_state.pt").exists(), 300, "step 4", trainer
     )
     trainer.send_signal(signal.SIGKILL)
@@ -230,7 +229,7 @@ def test_a_server_killed_mid_run_then_none_left(fleet, tmp_path) -> None:
     run_dir = tmp_path / "run"
     store = f"sqlite:///{tmp_path}/mlflow.db"
     prompts, n = 32, 8
-    trainer = _bapo(
+    trainer = train_in_background(
         run_dir,
         "experiment=pairs",
         f"trainer.prompts_per_step={prompts}",
@@ -243,11 +242,11 @@ def test_a_server_killed_mid_run_then_none_left(fleet, tmp_path) -> None:
         f"tracking.uri={store}",
         base=("rollout=hf",),
     )
-    _wait_for(lambda: _steps_logged(run_dir) >= 2, 300, "two steps", trainer)
-    _wait_for(lambda: _generating(fleet.urls[1]), 120, "server 1 busy", trainer)
+    wait_for(lambda: _steps_logged(run_dir) >= 2, 300, "two steps", trainer)
+    wait_for(lambda: _generating(fleet.urls[1]), 120, "server 1 busy", trainer)
     fleet.kill(1)
     at_kill = _steps_logged(run_dir)
-    _wait_for(lambda: _steps_logged(run_dir) >= at_kill + 3, 300, "three more steps", trainer)
+    wait_for(lambda: _steps_logged(run_dir) >= at_kill + 3, 300, "three more steps", trainer)
     fleet.kill(0)
     _, err = trainer.communicate(timeout=120)
     assert trainer.returncode == 1, err[-3000:]

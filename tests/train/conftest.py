@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -31,3 +35,28 @@ def _tiny_model_built() -> None:
     from bapo_cli.models import tiny
 
     tiny.ensure_tiny(preflight("train", []).config.model.tiny, progress=False)
+
+
+def train_in_background(
+    run_dir: Path, *overrides: str, base: tuple[str, ...] = tuple(FAST), env: dict | None = None
+) -> subprocess.Popen:
+    """`bapo train` in a subprocess, its stderr piped (the async, server and DDP-server tests)."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), **(env or {}))
+    return subprocess.Popen(
+        [sys.executable, "-m", "bapo_cli", "train", *base, *overrides, f"hydra.run.dir={run_dir}"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+
+
+def wait_for(condition, timeout_s: float, what: str, proc: subprocess.Popen | None = None):
+    """Poll `condition`; fail on the timeout, or at once if `proc` (the trainer) has exited."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if proc is not None and proc.poll() is not None:
+            raise AssertionError(f"the trainer exited ({proc.returncode}) before {what}")
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.05)

@@ -16,7 +16,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -33,7 +32,7 @@ from bapo_cli.staleness.worker import GenerationWorker, WorkerError, WorkerSpec
 from bapo_cli.trainer import checkpoint
 from bapo_cli.trainer.train import train
 from tests.rollout.conftest import perturb_embedding, score_with
-from tests.train.conftest import FAST, run_train
+from tests.train.conftest import FAST, run_train, train_in_background, wait_for
 
 F_GETPIPE_SZ = 1032  # fcntl: a pipe's capacity in bytes (Linux)
 PROMPTS, N = 8, 4  # FAST: prompts_per_step=8, rollout.n=4
@@ -142,7 +141,7 @@ def test_the_worker_runs_ahead_of_a_trainer_that_does_not_read(tmp_path) -> None
         units = [_unit(tokenizer, 128 * i, 128, 4) for i in range(3)]
         for unit in units:
             worker.submit(unit)
-        _wait_for(lambda: worker.generated.value == 3, 120, "three units generated, none read")
+        wait_for(lambda: worker.generated.value == 3, 120, "three units generated, none read")
         sizes = []
         for unit in units:
             got = worker.receive()
@@ -266,38 +265,13 @@ def test_a_vllm_worker_is_closed_cleanly_when_training_ends(tmp_path) -> None:
     assert _workers() == []
 
 
-def _bapo(
-    run_dir: Path, *overrides: str, base: tuple[str, ...] = tuple(FAST), env: dict | None = None
-) -> subprocess.Popen:
-    """`bapo train` in the background (also the generation-server tests' trainer)."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), **(env or {}))
-    return subprocess.Popen(
-        [sys.executable, "-m", "bapo_cli", "train", *base, *overrides, f"hydra.run.dir={run_dir}"],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=env,
-    )
-
-
-def _wait_for(condition, timeout_s: float, what: str, proc: subprocess.Popen | None = None):
-    """Poll `condition`; fail on the timeout, or at once if `proc` (the trainer) has exited."""
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if proc is not None and proc.poll() is not None:
-            raise AssertionError(f"the trainer exited ({proc.returncode}) before {what}")
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.05)
-
-
 def test_kill_9_of_the_trainer_then_resume_trains_every_group_exactly_once(tmp_path) -> None:
     steps, k = 40, 2
     args = (f"staleness={k}", *ASYNC, f"trainer.max_steps={steps}", "trainer.save_every=2")
     run_dir = tmp_path / "killed"
-    trainer = _bapo(run_dir, *args)
+    trainer = train_in_background(run_dir, *args)
     root = run_dir / "checkpoints"
-    _wait_for(lambda: (checkpoint.step_dir(root, 4) / "trainer_state.pt").exists(), 120, "step 4")
+    wait_for(lambda: (checkpoint.step_dir(root, 4) / "trainer_state.pt").exists(), 120, "step 4")
     workers = _workers(trainer.pid)
     assert len(workers) == 1
     trainer.send_signal(signal.SIGKILL)
@@ -331,10 +305,12 @@ def test_kill_9_of_the_trainer_then_resume_trains_every_group_exactly_once(tmp_p
 
 
 def test_a_dead_worker_stops_training_with_one_line(tmp_path) -> None:
-    trainer = _bapo(tmp_path / "run", "staleness=1", *ASYNC, "trainer.max_steps=100000")
-    _wait_for(lambda: bool(_workers(trainer.pid)), 120, "the worker")
+    trainer = train_in_background(
+        tmp_path / "run", "staleness=1", *ASYNC, "trainer.max_steps=100000"
+    )
+    wait_for(lambda: bool(_workers(trainer.pid)), 120, "the worker")
     (worker,) = _workers(trainer.pid)
-    _wait_for(lambda: (tmp_path / "run" / "samples.jsonl").exists(), 120, "a trained step")
+    wait_for(lambda: (tmp_path / "run" / "samples.jsonl").exists(), 120, "a trained step")
     worker.send_signal(signal.SIGKILL)
     _, err = trainer.communicate(timeout=60)
     assert trainer.returncode == 1
@@ -346,7 +322,7 @@ def test_a_dead_worker_stops_training_with_one_line(tmp_path) -> None:
 
 def test_a_worker_killed_holding_the_weights_lock_fails_publish_instead_of_hanging() -> None:
     # the lock a killed worker held while copying weights in is never released; this process
-    # takes it here to stand in for that worker (CI once hung in publish() after a kill -9)
+    # takes it here to stand in for that worker (a way CI's dead-worker test could hang)
     spec, model, _ = _worker_spec(interrupt=False, max_tokens=4)
     worker = GenerationWorker(spec, model, version=0)
     try:

@@ -57,6 +57,7 @@ import queue
 import signal
 import threading
 import traceback
+from collections.abc import Iterator
 from dataclasses import dataclass, fields, replace
 from functools import partial
 from typing import Any
@@ -147,23 +148,25 @@ class GenerationWorker:
     def publish(self, model: torch.nn.Module, version: int) -> None:
         """The trainer's current weights into shared memory, stamped `version` (the worker takes
         them before its next unit)."""
-        self._acquire_weights_lock()
-        try:
-            with torch.no_grad():
-                for name, t in model.state_dict().items():
-                    self.shared[name].copy_(t)
-                self.version.value = version
-        finally:
-            self.lock.release()
+        with self._weights_lock(), torch.no_grad():
+            for name, t in model.state_dict().items():
+                self.shared[name].copy_(t)
+            self.version.value = version
 
-    def _acquire_weights_lock(self) -> None:
+    @contextlib.contextmanager
+    def _weights_lock(self) -> Iterator[None]:
         """The weights' lock, or a WorkerError: a worker killed while it copied the weights in
         never releases the lock, and waiting on it without a timeout would hang the trainer."""
         while not self.lock.acquire(timeout=POLL_S):
             if not self.proc.is_alive():
                 raise self._died()
+        try:
+            yield
+        finally:
+            self.lock.release()
 
     def _died(self) -> WorkerError:
+        """The error for a worker that exited without reporting one (killed, or crashed hard)."""
         self.proc.join(timeout=5)
         return WorkerError(
             f"the generation worker (pid {self.proc.pid}) exited with code "
