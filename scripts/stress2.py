@@ -318,6 +318,28 @@ def write_csvs(
                 )
 
 
+def add_setting_args(parser: argparse.ArgumentParser) -> None:
+    """The two settings' stores, their names, the experiment and the seeds: the arguments every
+    reader of the design's runs takes (this read-out, scripts/stress2_plot.py)."""
+    parser.add_argument("store_a", help="setting A's runs: a tracking URI or CSV file(s)")
+    parser.add_argument("store_b", help="setting B's runs: a tracking URI or CSV file(s)")
+    parser.add_argument("--experiment", default=EXPERIMENT, help=f"(default {EXPERIMENT})")
+    parser.add_argument("--seeds", help="a seed range, e.g. 0-7 (default: every seed found)")
+    parser.add_argument("--names", default="A,B", help="names of the two settings")
+
+
+def read_settings(args: argparse.Namespace) -> dict[str, list[study_v3.Run]]:
+    """{name: runs} of the two settings `add_setting_args` named; ValueError (one line) for
+    names that are not two different ones, and load_setting's errors."""
+    names = args.names.split(",")
+    if len(names) != 2 or len(set(names)) != 2:
+        raise ValueError("--names takes two different names; e.g. A,B")
+    return {
+        names[0]: load_setting(args.store_a, args.experiment),
+        names[1]: load_setting(args.store_b, args.experiment),
+    }
+
+
 def main(argv: list[str]) -> int:
     if argv[:1] == ["--export"]:
         if len(argv) not in (3, 5) or (len(argv) == 5 and argv[3] != "--experiment"):
@@ -332,24 +354,14 @@ def main(argv: list[str]) -> int:
         print(f"wrote {argv[2]} ({len(runs)} runs)")
         return 0
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("store_a", help="setting A's runs: a tracking URI or CSV file(s)")
-    parser.add_argument("store_b", help="setting B's runs: a tracking URI or CSV file(s)")
+    add_setting_args(parser)
     parser.add_argument("--out", type=Path, help="also write stress2.md and the CSVs here")
-    parser.add_argument("--experiment", default=EXPERIMENT, help=f"(default {EXPERIMENT})")
     parser.add_argument("--lr", type=float, default=LR, help="the design's lr (6e-4)")
-    parser.add_argument("--seeds", help="a seed range, e.g. 0-7 (default: every seed found)")
-    parser.add_argument("--names", default="A,B", help="names of the two settings")
     parser.add_argument("--samples", type=int, default=SAMPLES, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    names = args.names.split(",")
-    if len(names) != 2 or len(set(names)) != 2:
-        print("error: --names takes two different names; e.g. A,B", file=sys.stderr)
-        return 2
     try:
-        settings = {
-            names[0]: load_setting(args.store_a, args.experiment),
-            names[1]: load_setting(args.store_b, args.experiment),
-        }
+        settings = read_settings(args)
+        names = list(settings)
         seeds = replicate._seeds(args.seeds)
         results = verdicts(settings, args.lr, seeds, args.samples)
         whole, within = ess_tables(settings, args.lr, seeds)

@@ -43,15 +43,20 @@ def arm_order(settings: dict[str, Runs], arm: str) -> list[tuple[str, float]]:
 
 
 def quadrants(settings: dict[str, Runs]) -> dict[tuple[bool, bool], int]:
-    """Runs counted by (falling ESS, collapse) over both settings, by the design's thresholds
-    (E_q < 0.5, final held-out < 0.05); a run missing either value is not counted."""
-    counts = {(f, c): 0 for f in (True, False) for c in (True, False)}
-    for runs in settings.values():
-        for r in runs:
-            e, f = r.values.get(ess_readout.EQ_KEY), r.values.get(ess_readout.FINAL_KEY)
-            if e is not None and f is not None:
-                counts[(e < ess_readout.FALLING, f < ess_readout.COLLAPSE)] += 1
-    return counts
+    """Runs counted by (falling ESS, collapse) over both settings: ess_readout's 2 x 2 table
+    (E_q < 0.5, final held-out < 0.05) of the pooled runs; a run missing either is not counted."""
+    pairs = [
+        (r.values.get(ess_readout.EQ_KEY), r.values.get(ess_readout.FINAL_KEY))
+        for runs in settings.values()
+        for r in runs
+    ]
+    t = ess_readout.ess_table(pairs)
+    return {
+        (True, True): t.falling_collapse,
+        (True, False): t.falling_kept,
+        (False, True): t.steady_collapse,
+        (False, False): t.steady_kept,
+    }
 
 
 def plot(settings: dict[str, Runs], out: Path) -> list[Path]:
@@ -63,6 +68,14 @@ def plot(settings: dict[str, Runs], out: Path) -> list[Path]:
 
     out.mkdir(parents=True, exist_ok=True)
     colors = plt.get_cmap("tab10").colors
+    paths = [out / "heldout_change.png", out / "ess_collapse.png"]
+    _draw_changes(plt, colors, settings, paths[0])
+    _draw_ess(plt, colors, settings, paths[1])
+    return paths
+
+
+def _draw_changes(plt, colors, settings: dict[str, Runs], path: Path) -> None:
+    """heldout_change.png: per arm, a dot per run by setting, each configuration's mean."""
     fig, axes = plt.subplots(1, len(stress2.ARMS), figsize=(12, 7.5), squeeze=False)
     for ax, arm in zip(axes[0], stress2.ARMS, strict=True):
         order = arm_order(settings, arm)
@@ -94,10 +107,12 @@ def plot(settings: dict[str, Runs], out: Path) -> list[Path]:
         ax.grid(axis="x", alpha=0.3)
     axes[0][0].legend(loc="best", fontsize=8)
     fig.tight_layout()
-    change_png = out / "heldout_change.png"
-    fig.savefig(change_png, dpi=110)
+    fig.savefig(path, dpi=110)
     plt.close(fig)
 
+
+def _draw_ess(plt, colors, settings: dict[str, Runs], path: Path) -> None:
+    """ess_collapse.png: E_q against the final held-out, the thresholds, the quadrant counts."""
     fig, ax = plt.subplots(figsize=(7, 5))
     for a, arm in enumerate(stress2.ARMS):
         for k, (name, runs) in enumerate(settings.items()):
@@ -136,30 +151,20 @@ def plot(settings: dict[str, Runs], out: Path) -> list[Path]:
     ax.set_title("falling ESS early vs held-out collapse (both settings)")
     ax.legend(fontsize=7, loc="best")
     fig.tight_layout()
-    ess_png = out / "ess_collapse.png"
-    fig.savefig(ess_png, dpi=110)
+    fig.savefig(path, dpi=110)
     plt.close(fig)
-    return [change_png, ess_png]
 
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("store_a", help="setting A's runs: a tracking URI or CSV file(s)")
-    parser.add_argument("store_b", help="setting B's runs: a tracking URI or CSV file(s)")
+    stress2.add_setting_args(parser)
     parser.add_argument("--out", type=Path, required=True, help="write the PNGs here")
-    parser.add_argument("--experiment", default=stress2.EXPERIMENT)
-    parser.add_argument("--seeds", help="a seed range, e.g. 0-7 (default: every seed found)")
-    parser.add_argument("--names", default="A,B", help="names of the two settings")
     args = parser.parse_args(argv)
-    names = args.names.split(",")
-    if len(names) != 2 or len(set(names)) != 2:
-        print("error: --names takes two different names; e.g. A,B", file=sys.stderr)
-        return 2
     try:
         seeds = replicate._seeds(args.seeds)
         settings = {
-            name: stress2.pick(stress2.load_setting(source, args.experiment), stress2.LR, seeds)
-            for name, source in zip(names, (args.store_a, args.store_b), strict=True)
+            name: stress2.pick(runs, stress2.LR, seeds)
+            for name, runs in stress2.read_settings(args).items()
         }
     except (stress2.report.ReportError, ValueError, OSError) as err:
         print(f"error: {err}", file=sys.stderr)

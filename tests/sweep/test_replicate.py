@@ -3,7 +3,6 @@ pooled answer rules) on hand-made runs; the study's loader is tested in test_stu
 
 from __future__ import annotations
 
-import importlib.util
 import sys
 
 import pytest
@@ -11,18 +10,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.conftest import REPO
+from tests.sweep.conftest import load_script
 
-
-def _script():
-    sys.path.insert(0, str(REPO / "scripts"))
-    spec = importlib.util.spec_from_file_location("replicate", REPO / "scripts" / "replicate.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["replicate"] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-rep = _script()
+rep = load_script("replicate")
 study_v3 = sys.modules["study_v3"]
 
 values = st.lists(st.integers(-50, 50).map(lambda v: v / 100), min_size=1, max_size=4)

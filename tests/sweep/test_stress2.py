@@ -5,7 +5,6 @@ the ESS question (Fisher, AUROC, the two-setting "yes"), on hand-made runs and a
 from __future__ import annotations
 
 import csv
-import importlib.util
 import itertools
 import math
 import sys
@@ -20,18 +19,9 @@ from mlflow.tracking import MlflowClient
 
 from bapo_cli import report
 from tests.conftest import REPO
+from tests.sweep.conftest import load_script
 
-
-def _script(name: str):
-    sys.path.insert(0, str(REPO / "scripts"))
-    spec = importlib.util.spec_from_file_location(name, REPO / "scripts" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-stress2 = _script("stress2")
+stress2 = load_script("stress2")
 ess = sys.modules["ess_readout"]
 Run = stress2.study_v3.Run
 

@@ -3,25 +3,14 @@ files, on hand-made runs written to the per-run CSVs that stress2.py exports."""
 
 from __future__ import annotations
 
-import importlib.util
 import sys
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO
+from tests.sweep.conftest import load_script
 
-
-def _script(name: str):
-    sys.path.insert(0, str(REPO / "scripts"))
-    spec = importlib.util.spec_from_file_location(name, REPO / "scripts" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-plot = _script("stress2_plot")
+plot = load_script("stress2_plot")
 stress2 = sys.modules["stress2"]
 ess = sys.modules["ess_readout"]
 Run = stress2.study_v3.Run

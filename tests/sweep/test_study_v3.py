@@ -9,6 +9,7 @@ import shlex
 from bapo_cli.config import hydra_runner
 from bapo_cli.config.preflight import preflight
 from tests.conftest import REPO
+from tests.sweep.conftest import load_script
 
 DESIGN = REPO / "docs" / "study-v3.md"
 
@@ -58,14 +59,7 @@ def test_every_arm_makes_48_updates_of_64_sequences_from_the_shipped_model() -> 
 
 def _analysis():
     """scripts/study_v3.py, the design's rules as code (gates, Holm, frontier)."""
-    import importlib.util
-    import sys
-
-    spec = importlib.util.spec_from_file_location("study_v3", REPO / "scripts" / "study_v3.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["study_v3"] = module  # its dataclass looks itself up there
-    spec.loader.exec_module(module)
-    return module
+    return load_script("study_v3")
 
 
 def test_holm_rejects_in_order_and_stops_at_the_first_miss() -> None:
