@@ -91,6 +91,14 @@ class Fleet:
         proc.wait(timeout=30)
         _wait_group_gone(proc.pid)
 
+    def freeze(self, i: int) -> None:
+        """SIGSTOP the whole server: the requests it holds stay open, unanswered, until `thaw` or
+        `kill` (a killed frozen server certainly dies holding them)."""
+        os.killpg(self.procs[i].pid, signal.SIGSTOP)
+
+    def thaw(self, i: int) -> None:
+        os.killpg(self.procs[i].pid, signal.SIGCONT)
+
     def restart(self, i: int) -> None:
         self.start(i)
 
@@ -112,6 +120,21 @@ class Fleet:
             if _wait_group_gone(proc.pid, 10.0):
                 break
         self.procs[i] = None
+
+
+def open_connections(port: int) -> int:
+    """TCP connections this machine's server side holds open (ESTABLISHED) on `port`: requests
+    whose client is still waiting for the answer (urllib sends `Connection: close`, so a finished
+    request leaves this state as soon as either side closes; the kernel moves the state even
+    while the server is stopped)."""
+    count = 0
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with contextlib.suppress(FileNotFoundError), open(table) as f:
+            for row in f.read().splitlines()[1:]:
+                local, state = row.split()[1], row.split()[3]
+                if state == "01" and int(local.rsplit(":", 1)[1], 16) == port:
+                    count += 1
+    return count
 
 
 def _wait_group_gone(pgid: int, timeout_s: float = 30.0) -> bool:

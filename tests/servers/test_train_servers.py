@@ -29,6 +29,7 @@ from bapo_cli.config.preflight import preflight
 from bapo_cli.models import loading as models
 from bapo_cli.trainer import checkpoint
 from bapo_cli.trainer.train import train
+from tests.servers.conftest import open_connections
 from tests.servers.test_pool import LOGPROB_TOL, generated_tokens, trainer_logprobs
 from tests.train.conftest import FAST, train_in_background, wait_for
 
@@ -217,10 +218,26 @@ def _generating(url: str, window_s: float = 0.2, tokens: int = 16) -> bool:
     return generated_tokens(url) - first >= tokens
 
 
+def _freeze_holding_requests(fleet, i: int, trainer, attempts: int = 20) -> None:
+    """Stop server i (SIGSTOP) at a moment it holds generation requests. Seeing it generate and
+    then killing it raced: under load its unit could finish in between, and a server killed idle
+    is found dead by the next weight push, with nothing to re-send (CI once: `servers/resent` all
+    0). Frozen, it cannot finish them; two or more open connections are generate requests (a
+    push or a probe holds one at a time). Not holding any: thawed, and tried again."""
+    for _ in range(attempts):
+        wait_for(lambda: _generating(fleet.urls[i]), 120, f"server {i} busy", trainer)
+        fleet.freeze(i)
+        time.sleep(0.3)  # clients that already had their answer close; the rest wait
+        if open_connections(fleet.ports[i]) >= 2:
+            return
+        fleet.thaw(i)
+    raise AssertionError(f"server {i} never held two requests when frozen ({attempts} tries)")
+
+
 def test_a_server_killed_mid_run_then_none_left(fleet, tmp_path) -> None:
-    """Server 1 is killed (SIGKILL to its process group) while it generates: its requests finish
-    on server 0 and training goes on, each group once. Then server 0 is killed: the run stops
-    with one `error:` line, exit 1, and a checkpoint of its last step.
+    """Server 1 is killed (SIGKILL to its process group, frozen first while it holds requests):
+    its requests finish on server 0 and training goes on, each group once. Then server 0 is
+    killed: the run stops with one `error:` line, exit 1, and a checkpoint of its last step.
 
     The pair-search task (its tiny model has the servers' shape: the run loads its weights into
     them at start) with 32 prompts x 8 samples of up to 40 tokens: generation, not training, is
@@ -243,7 +260,7 @@ def test_a_server_killed_mid_run_then_none_left(fleet, tmp_path) -> None:
         base=("rollout=hf",),
     )
     wait_for(lambda: _steps_logged(run_dir) >= 2, 300, "two steps", trainer)
-    wait_for(lambda: _generating(fleet.urls[1]), 120, "server 1 busy", trainer)
+    _freeze_holding_requests(fleet, 1, trainer)
     fleet.kill(1)
     at_kill = _steps_logged(run_dir)
     wait_for(lambda: _steps_logged(run_dir) >= at_kill + 3, 300, "three more steps", trainer)
