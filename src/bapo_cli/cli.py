@@ -286,7 +286,8 @@ def evaluate(
         "Examples:\n\n"
         "  bapo serve --port 8001\n\n"
         "  bapo serve model=tiny_pairs --port 8002 --host 0.0.0.0\n\n"
-        "  bapo serve --port 8001 --print-command"
+        "  bapo serve --port 8001 --print-command\n\n"
+        "  bapo serve model.path=DIR model.device=cuda --weights nccl --port 8001"
     ),
 )
 def serve(
@@ -297,6 +298,11 @@ def serve(
         False,
         "--print-command",
         help="Print the vLLM command (and its environment), start nothing.",
+    ),
+    weights: str = typer.Option(
+        "filesystem",
+        "--weights",
+        help="How the trainer's weights arrive (its staleness.weights): filesystem | nccl (GPU).",
     ),
 ) -> None:
     """Start a vLLM generation server for the run's model (rollout.servers=[URL]); prints its URL.
@@ -310,7 +316,12 @@ def serve(
     console = Console(highlight=False, soft_wrap=True, markup=False, emoji=False)
     try:
         code = serving.run(
-            checked.config, port=port, host=host, print_only=print_command, say=console.print
+            checked.config,
+            port=port,
+            host=host,
+            print_only=print_command,
+            say=console.print,
+            weights=weights,
         )
     except (serving.ServeError, serving.models.ModelLoadError) as err:
         raise _fail(str(err)) from None

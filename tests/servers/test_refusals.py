@@ -40,14 +40,20 @@ URL = "http://127.0.0.1:9"  # a port nothing listens on (discard)
         ),
         (
             [*ASYNC, f"rollout.servers=[{URL}]", "staleness.weights=nccl", "model.device=cpu"],
-            "staleness.weights=nccl: off CUDA vLLM's NCCL weight transfer reports success and "
-            "moves nothing (vLLM PRs 57022/57374); use staleness.weights=filesystem",
+            "staleness.weights=nccl: needs the trainer on CUDA (model.device=cuda) and servers on "
+            "GPUs: off CUDA vLLM's NCCL weight transfer reports success and moves nothing (vLLM "
+            "PRs 57022/57374); use staleness.weights=filesystem",
         ),
         (
-            [*ASYNC, f"rollout.servers=[{URL}]", "staleness.weights=nccl", "model.device=cuda"],
-            "staleness.weights=nccl: not built: vLLM's NCCL weight transfer needs CUDA on the "
-            "trainer and every server, and no GPU with vLLM was available to run it "
-            "(docs/engines.md); use staleness.weights=filesystem",
+            [*ASYNC, "model.device=cuda", f"rollout.servers=[{URL}]", "staleness.weights=nccl"]
+            + ["staleness.nccl_master=29555"],
+            "staleness.nccl_master=29555: give HOST:PORT, e.g. 127.0.0.1:29555 (the trainer's "
+            "host)",
+        ),
+        (
+            [*ASYNC, "model.device=cuda", f"rollout.servers=[{URL}]", "staleness.weights=nccl"]
+            + ["staleness.nccl_master=trainer:70000"],
+            "staleness.nccl_master=trainer:70000: the port must be 1-65535",
         ),
         (
             [*ASYNC, "rollout.servers=[127.0.0.1:8001]", "staleness.weights=filesystem"],
@@ -94,6 +100,13 @@ def test_cuda_async_with_servers_passes_the_config_check() -> None:
         [*ASYNC, "model.device=cuda", f"rollout.servers=[{URL}]", "staleness.weights=filesystem"],
     ).config
     assert cfg.rollout.servers == [URL]
+    # NCCL weights too, on CUDA (the servers' GPUs are checked when the group opens)
+    cfg = preflight(
+        "train",
+        [*ASYNC, "model.device=cuda", f"rollout.servers=[{URL}]", "staleness.weights=nccl"]
+        + ["staleness.nccl_master=trainer-0:29600"],
+    ).config
+    assert cfg.staleness.weights == "nccl"
     # and the vLLM engine's interrupt refusal does not apply: the servers pause and resume
     preflight(
         "train",

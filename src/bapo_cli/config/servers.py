@@ -14,9 +14,11 @@ Why each rule:
   the trainer's engine;
 - `shm` moves weights through this machine's shared memory to a worker process: it cannot reach
   a server; `filesystem` (and `nccl`) push to servers and need some;
-- `nccl` is refused: vLLM's NCCL weight transfer needs CUDA on the trainer and every server, and
-  off CUDA it reports success while moving nothing (open vLLM PRs 57022/57374); the adapter is
-  not built because no GPU with vLLM was available to run it (docs/engines.md);
+- `nccl` is refused off CUDA: vLLM's NCCL weight transfer needs CUDA on the trainer and every
+  server, and off CUDA it reports success while moving nothing (open vLLM PRs 57022/57374). On
+  CUDA it runs through `rollout.weights_nccl` (built, not run: no GPU with vLLM was available;
+  its start-up canary stops a push that moves nothing, docs/engines.md); `staleness.nccl_master`
+  must be HOST:PORT;
 - `rollout.tis_cap` and `rollout.seq_mask=geo` weigh the trainer's log-probs against the
   engine's *under the same weights*; with servers the behaviour log-probs are the servers' own
   (the trainer never holds the weights that sampled an old token), so both would be weights of
@@ -46,6 +48,17 @@ def check_url(key: str, url: Any) -> None:
         raise ConfigError(key, url, f"is not a server URL; {URL_FORM}") from None
 
 
+def check_master(key: str, value: Any) -> tuple[str, int]:
+    """HOST:PORT of the NCCL weight group's rendezvous (the trainer's address as the servers
+    reach it); (host, port)."""
+    host, sep, port = str(value).rpartition(":")
+    if not sep or not host or not port.isascii() or not port.isdigit() or port != str(int(port)):
+        raise ConfigError(key, value, "give HOST:PORT, e.g. 127.0.0.1:29555 (the trainer's host)")
+    if not 1 <= int(port) <= 65535:
+        raise ConfigError(key, value, "the port must be 1-65535")
+    return host.strip("[]"), int(port)
+
+
 def _on_cuda(device: str) -> bool:
     """model.device names CUDA (auto: CUDA when torch sees one; torch is imported only then)."""
     if device == "auto":
@@ -72,18 +85,15 @@ def check_train(cfg: Any) -> None:
             f"{cfg.staleness.regime}, which generates inside the training loop): add "
             "staleness.regime=async, or drop rollout.servers",
         )
-    if weights == "nccl":
-        if not _on_cuda(cfg.model.device):
-            why = (
-                "off CUDA vLLM's NCCL weight transfer reports success and moves nothing "
-                "(vLLM PRs 57022/57374)"
-            )
-        else:
-            why = (
-                "not built: vLLM's NCCL weight transfer needs CUDA on the trainer and every "
-                "server, and no GPU with vLLM was available to run it (docs/engines.md)"
-            )
-        raise ConfigError("staleness.weights", weights, f"{why}; use staleness.weights=filesystem")
+    if weights == "nccl" and not _on_cuda(cfg.model.device):
+        raise ConfigError(
+            "staleness.weights",
+            weights,
+            "needs the trainer on CUDA (model.device=cuda) and servers on GPUs: off CUDA vLLM's "
+            "NCCL weight transfer reports success and moves nothing (vLLM PRs 57022/57374); use "
+            "staleness.weights=filesystem",
+        )
+    check_master("staleness.nccl_master", cfg.staleness.nccl_master)
     if weights == "shm" and servers:
         raise ConfigError(
             "staleness.weights",

@@ -56,6 +56,9 @@ DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
 CPU_KV_GIB = "1"  # VLLM_CPU_KVCACHE_SPACE unless set: plenty for the models a CPU serves
 READY_POLL_S = 0.5
+WEIGHTS = ("filesystem", "nccl")  # how the trainer's weights reach this server
+# vLLM's NCCL weight-transfer routes (`rollout.weights_nccl`); GPU servers only
+NCCL_FLAGS = ["--weight-transfer-config", '{"backend":"nccl"}']
 READY_TIMEOUT_S = 900.0  # a large model from a network filesystem; the tiny one: ~1 min on CPU
 
 
@@ -247,10 +250,14 @@ def check_port_free(host: str, port: int) -> None:
             ) from None
 
 
-def plan(cfg: Any, *, port: int, host: str) -> tuple[ServerSpec, list[str], dict[str, str], str]:
+def plan(
+    cfg: Any, *, port: int, host: str, weights: str = "filesystem"
+) -> tuple[ServerSpec, list[str], dict[str, str], str]:
     """(spec, argv, environment, URL) of a server for the run `cfg`, after the checks that need
-    no model: vLLM installed, the port free, a model vLLM can load. The tiny model is built
-    here if its cache lacks it (seconds)."""
+    no model: vLLM installed, the port free, a model vLLM can load, NCCL weights only on a GPU.
+    The tiny model is built here if its cache lacks it (seconds)."""
+    if weights not in WEIGHTS:
+        raise ServeError(f"--weights {weights}: one of {' | '.join(WEIGHTS)}")
     if importlib.util.find_spec("vllm") is None:
         raise ServeError(
             "vLLM is not installed in this environment; pip install -e '.[vllm]' (CUDA) or "
@@ -264,8 +271,14 @@ def plan(cfg: Any, *, port: int, host: str) -> tuple[ServerSpec, list[str], dict
             f"(bapo merge-lora {source} OUT) and serve the merged directory"
         )
     on_cuda = device_is_cuda(cfg.model.device)
+    if weights == "nccl" and not on_cuda:
+        raise ServeError(
+            "--weights nccl needs the server on a GPU (model.device=cuda): off CUDA vLLM's NCCL "
+            "weight transfer reports success and moves nothing; use --weights filesystem"
+        )
     spec = ServerSpec.from_config(cfg, source, on_cuda)
-    cmd = server_command(spec, port=port, host=host)
+    extra = NCCL_FLAGS if weights == "nccl" else []
+    cmd = server_command(spec, port=port, host=host, extra=extra)
     return spec, cmd, server_env(on_cuda), url_for(host, port)
 
 
@@ -277,10 +290,11 @@ def run(
     print_only: bool,
     say: Callable[[str], None],
     ready_timeout_s: float = READY_TIMEOUT_S,
+    weights: str = "filesystem",
 ) -> int:
     """`bapo serve`: start the server, say its URL once it answers, run until it exits or this
     process is stopped (SIGINT, SIGTERM: the server is stopped with it); its exit code."""
-    spec, cmd, env, url = plan(cfg, port=port, host=host)
+    spec, cmd, env, url = plan(cfg, port=port, host=host, weights=weights)
     if print_only:
         say(shell_line(cmd, spec.on_cuda))
         return 0

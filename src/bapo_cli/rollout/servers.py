@@ -214,14 +214,14 @@ class ServerPool:
     def _check_one(self, server: Server) -> None:
         url = server.url
         try:
-            _call(url, "GET", "/health", timeout=CHECK_TIMEOUT_S)
+            call(url, "GET", "/health", timeout=CHECK_TIMEOUT_S)
         except Unreachable as exc:
             raise ServerError(
                 f"cannot reach the generation server {url} ({exc}); start one there with "
                 "`bapo serve --port PORT` or fix rollout.servers"
             ) from None
         try:
-            info = _call(
+            info = call(
                 url, "POST", "/collective_rpc", {"method": "bapo_model_info"}, CHECK_TIMEOUT_S
             )["results"][0]
         except HTTPStatus as exc:
@@ -246,7 +246,7 @@ class ServerPool:
                     f"--max-model-len {self.max_model_len} or lower the run's"
                 )
         try:  # an empty body: 400/422 when the route is on, 403 (or 404) when it is off
-            _call(url, "POST", GENERATE, {}, CHECK_TIMEOUT_S)
+            call(url, "POST", GENERATE, {}, CHECK_TIMEOUT_S)
         except HTTPStatus as exc:
             if exc.status in (403, 404):
                 raise ServerError(
@@ -289,7 +289,7 @@ class ServerPool:
                     body = _generate_body(requests[i], params, seeds[i], eos_ids, ignore_eos)
                     server.in_flight += 1
                     future = ex.submit(
-                        _call, server.url, "POST", GENERATE, body, self.request_timeout_s
+                        call, server.url, "POST", GENERATE, body, self.request_timeout_s
                     )
                     running[future] = (i, server)
                 if not running:
@@ -364,7 +364,7 @@ class ServerPool:
         """The weights version a server stamps on what it samples now (one token)."""
         sampling = {"max_tokens": 1, "ignore_eos": True, "detokenize": False}
         body = {"token_ids": [0], "sampling_params": sampling}
-        answer = _call(server.url, "POST", GENERATE, body, CHECK_TIMEOUT_S)
+        answer = call(server.url, "POST", GENERATE, body, CHECK_TIMEOUT_S)
         return _token_versions(answer["choices"][0].get("weight_versions"), 1, server.url)[0]
 
     # ------------------------------------------------------------------------------- weights
@@ -411,22 +411,22 @@ class ServerPool:
         for server in self.servers:
             if server.alive and server.in_flight > 0:
                 with contextlib.suppress(ServerError):
-                    _call(server.url, "POST", "/pause?mode=abort", None, CHECK_TIMEOUT_S)
-                    _call(server.url, "POST", "/resume", None, CHECK_TIMEOUT_S)
+                    call(server.url, "POST", "/pause?mode=abort", None, CHECK_TIMEOUT_S)
+                    call(server.url, "POST", "/resume", None, CHECK_TIMEOUT_S)
 
     def _push_one(self, server: Server, directory: Path | None, version: int, mode: str) -> None:
         url = server.url
-        _call(url, "POST", f"/pause?mode={mode}", None, PUSH_TIMEOUT_S)
+        call(url, "POST", f"/pause?mode={mode}", None, PUSH_TIMEOUT_S)
         try:
             if directory is not None:  # None: the server's own start weights are version 0
-                _call(
+                call(
                     url,
                     "POST",
                     "/collective_rpc",
                     {"method": "bapo_reload", "args": [str(directory), str(version)]},
                     PUSH_TIMEOUT_S,
                 )
-            reset = _call(
+            reset = call(
                 url,
                 "POST",
                 "/reset_prefix_cache?reset_running_requests=true",
@@ -435,12 +435,12 @@ class ServerPool:
             )
             if not reset.get("success", False):
                 raise HTTPStatus(500, f"{url} could not reset its prefix cache")
-            _call(
+            call(
                 url, "POST", "/update_weight_version", {"new_version": str(version)}, PUSH_TIMEOUT_S
             )
         finally:
             with contextlib.suppress(ServerError):
-                _call(url, "POST", "/resume", None, CHECK_TIMEOUT_S)
+                call(url, "POST", "/resume", None, CHECK_TIMEOUT_S)
         server.version = version
 
     def probe(self, token_ids: Sequence[int]) -> dict[str, tuple[int, list[float]]]:
@@ -460,7 +460,7 @@ class ServerPool:
         }
         out = {}
         for server in (s for s in self.servers if s.alive):
-            answer = _call(server.url, "POST", GENERATE, body, CHECK_TIMEOUT_S)
+            answer = call(server.url, "POST", GENERATE, body, CHECK_TIMEOUT_S)
             rows = answer["prompt_logprobs"][1:]
             logprobs = [
                 float(row[str(t)]["logprob"]) for row, t in zip(rows, token_ids[1:], strict=True)
@@ -490,7 +490,7 @@ class HTTPStatus(ServerError):
 _OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # loopback: no proxies
 
 
-def _call(url: str, method: str, path: str, body: Any = None, timeout: float = 10.0) -> Any:
+def call(url: str, method: str, path: str, body: Any = None, timeout: float = 10.0) -> Any:
     """One JSON request; the decoded answer ({} when empty). Unreachable for connection
     failures, HTTPStatus for error answers."""
     data = None if body is None else json.dumps(body).encode()
@@ -529,7 +529,7 @@ def _served_window(url: str) -> int | None:
     """The served model's context window (`/v1/models`), or None if it does not say."""
     with contextlib.suppress(ServerError, KeyError, IndexError, TypeError):
         return int(
-            _call(url, "GET", "/v1/models", None, CHECK_TIMEOUT_S)["data"][0]["max_model_len"]
+            call(url, "GET", "/v1/models", None, CHECK_TIMEOUT_S)["data"][0]["max_model_len"]
         )
     return None
 

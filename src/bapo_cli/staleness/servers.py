@@ -70,6 +70,7 @@ from typing import Any
 
 import torch
 
+from bapo_cli.config.servers import check_master
 from bapo_cli.models import loading as models
 from bapo_cli.models import lora
 from bapo_cli.rollout import weights_fs
@@ -83,6 +84,7 @@ from bapo_cli.rollout.servers import (
     ServerPool,
     model_identity,
 )
+from bapo_cli.rollout.weights_nccl import NcclPool
 from bapo_cli.staleness.worker import POLL_S, WorkerError, unit_seed
 
 PROBE_TEXT = "The quick brown fox jumps over the lazy dog. 12 + 30 = 42, 7 * 6 = 42."
@@ -139,12 +141,21 @@ def make_pool(cfg: Any, root: Path | None = None, *, follower: bool = False) -> 
     identity = model_identity(
         models.model_dir(cfg.model), trust_remote_code=bool(cfg.model.trust_remote_code)
     )
-    return (FollowerPool if follower else ServerPool)(
-        list(cfg.rollout.servers),
-        expect=identity,
-        max_model_len=int(cfg.model.max_model_len),
-        weights_dir=root,
-    )
+    common = {
+        "expect": identity,
+        "max_model_len": int(cfg.model.max_model_len),
+        "weights_dir": root,
+    }
+    if cfg.staleness.weights == "nccl" and not follower:  # rank 0 pushes over NCCL
+        host, port = check_master("staleness.nccl_master", cfg.staleness.nccl_master)
+        return NcclPool(  # on the policy's device, set by ServerWorker._start
+            list(cfg.rollout.servers),
+            device="cuda",
+            master_address=host,
+            master_port=port,
+            **common,
+        )
+    return (FollowerPool if follower else ServerPool)(list(cfg.rollout.servers), **common)
 
 
 def preflight(cfg: Any) -> None:
@@ -286,6 +297,9 @@ class ServerWorker:
             self._share(model, version)
             return
         weights_fs.remove(self.root, [v for v in weights_fs.versions(self.root) if v >= version])
+        if isinstance(self.pool, NcclPool):  # the canary's probe; the policy's GPU
+            self.pool.probe_ids = self.probe
+            self.pool.device = next(model.parameters()).device
         directory = self._write(model, version)
         self.pool.start(version, directory)
         self._record_probe(version)
@@ -317,15 +331,24 @@ class ServerWorker:
             with self._lock:
                 self._stats["rank_probe_abs_diff_max"] = max(diffs)
 
-    def _write(self, model: torch.nn.Module, version: int) -> Path:
+    def _write(self, model: torch.nn.Module, version: int) -> Path | None:
+        """The version made ready to push: written under the weights directory, or under
+        staleness.weights=nccl copied on the trainer's device (under the push lock: a push in
+        progress sends the version it was asked for, whole)."""
         t0 = time.perf_counter()
-        directory = weights_fs.write_version(lora.engine_weights(model), self.root, version)
-        want = trainer_logprobs(model, self.probe)
-        with self._lock:
-            self._written = (directory, version)
-            self._want = {version: want}
-            self._mine.append(version)
-            self._stats["write_s"] = time.perf_counter() - t0
+        nccl = isinstance(self.pool, NcclPool)
+        with self._push_lock if nccl else contextlib.nullcontext():
+            if nccl:
+                directory = None
+                self.pool.stage(lora.engine_weights(model), version)
+            else:
+                directory = weights_fs.write_version(lora.engine_weights(model), self.root, version)
+            want = trainer_logprobs(model, self.probe)
+            with self._lock:
+                self._written = (directory, version)
+                self._want = {version: want}
+                self._mine.append(version)
+                self._stats["write_s"] = time.perf_counter() - t0
         return directory
 
     def publish(self, model: torch.nn.Module, version: int) -> None:

@@ -51,7 +51,13 @@ class StalenessConfig:
         "shm",
         "async: how new weights reach the generator: shm (a worker process on this machine) | "
         "filesystem (safetensors under staleness.weights_dir, reloaded by every server of "
-        "rollout.servers) | nccl (refused: not built, docs/engines.md)",
+        "rollout.servers) | nccl (vLLM's NCCL weight transfer, GPU to GPU; CUDA only; built, "
+        "not run: docs/engines.md)",
+    )
+    nccl_master: str = opt(
+        "127.0.0.1:29555",
+        "nccl: HOST:PORT of the weight group's rendezvous, opened by the trainer (its address as "
+        "every server reaches it; not torchrun's port)",
     )
     weights_dir: str | None = opt(
         None,
