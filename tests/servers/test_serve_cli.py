@@ -4,6 +4,7 @@ malformed server URL refused in one line."""
 
 from __future__ import annotations
 
+import shlex
 import socket
 
 import pytest
@@ -38,6 +39,33 @@ def test_print_command_names_every_flag_a_run_needs() -> None:
         assert args[args.index(flag) + 1] == value, (flag, flags)
     assert {"--enable-scale-out", "--enable-prefix-caching", "--enforce-eager"} <= set(args)
     assert args[args.index("--model") + 1].endswith("weights/tiny")  # the shipped tiny model
+
+
+def test_nccl_weights_add_vllms_weight_transfer_flag_on_a_gpu_only() -> None:
+    """`--weights nccl` starts the server with vLLM's NCCL weight-transfer routes; off CUDA it is
+    refused in one line (the transfer would report success and move nothing). The flag is parsed
+    by vLLM's own argument parser (0.32) into its weight-transfer config."""
+    pytest.importorskip("vllm")
+    res = run_bapo("serve", "--port", "8124", "--weights", "nccl")
+    assert res.returncode == 2 and res.stdout == ""
+    assert res.stderr == (
+        "error: --weights nccl needs the server on a GPU (model.device=cuda): off CUDA vLLM's "
+        "NCCL weight transfer reports success and moves nothing; use --weights filesystem\n"
+    )
+    res = run_bapo(
+        "serve", "model.device=cuda", "--port", "8124", "--weights", "nccl", "--print-command"
+    )
+    assert res.returncode == 0, res.stderr
+    args = shlex.split(res.stdout)  # a shell line: the JSON is quoted
+    assert args[args.index("--weight-transfer-config") + 1] == '{"backend":"nccl"}'
+    assert "--gpu-memory-utilization" in args and "--enforce-eager" not in args
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = EngineArgs.add_cli_args(FlexibleArgumentParser())
+    parsed = parser.parse_args(serve.NCCL_FLAGS)
+    engine = EngineArgs.from_cli_args(parsed)
+    assert engine.weight_transfer_config.backend == "nccl"
 
 
 def test_the_extension_named_is_the_class() -> None:
