@@ -54,6 +54,7 @@ def test_config_prints_bapo_section_with_paper_values() -> None:
         "interrupt": False,
         "weights": "shm",
         "weights_dir": None,
+        "nccl_master": "127.0.0.1:29555",
     }
     assert "hydra" not in cfg
 
