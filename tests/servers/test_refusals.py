@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from bapo_cli.config.preflight import PreflightError, preflight
+from bapo_cli.launch.plan import describe_generation
 from tests.conftest import run_bapo
 from tests.servers.conftest import free_port
 
@@ -169,3 +170,16 @@ def test_eval_with_an_unreachable_server_is_refused(_output_root: Path) -> None:
     assert res.stderr.startswith(f"error: cannot reach the generation server {url}")
     assert res.stderr.count("\n") == 1
     assert _nothing_written(_output_root)
+
+
+def test_the_plan_says_how_weights_reach_the_servers() -> None:
+    base = [*ASYNC, "model.device=cuda", f"rollout.servers=[{URL}]"]
+    cfg = preflight("train", [*base, "staleness.weights=filesystem"]).config
+    assert describe_generation(cfg) == (
+        f"1 vLLM server ({URL}), weights by file under <run dir>/weights"
+    )
+    cfg = preflight("train", [*base, "staleness.weights=nccl", "staleness.interrupt=true"]).config
+    assert describe_generation(cfg) == (
+        f"1 vLLM server ({URL}), weights by NCCL from the trainer's GPU (group at "
+        "127.0.0.1:29555); a push pauses responses mid-way (interrupt)"
+    )

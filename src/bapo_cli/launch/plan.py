@@ -66,11 +66,14 @@ def describe_generation(cfg: TrainConfig) -> str:
     servers = list(cfg.rollout.servers)
     if not servers:
         return "a worker process on this machine, weights through shared memory"
-    weights = cfg.staleness.weights_dir or "<run dir>/weights"
+    if cfg.staleness.weights == "nccl":
+        weights = f"weights by NCCL from the trainer's GPU (group at {cfg.staleness.nccl_master})"
+    else:
+        weights = f"weights by file under {cfg.staleness.weights_dir or '<run dir>/weights'}"
     pause = "; a push pauses responses mid-way (interrupt)" if cfg.staleness.interrupt else ""
     return (
         f"{len(servers)} vLLM server{'s' if len(servers) > 1 else ''} ({', '.join(servers)}), "
-        f"weights by {cfg.staleness.weights} under {weights}{pause}"
+        f"{weights}{pause}"
     )
 
 
