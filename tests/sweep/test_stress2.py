@@ -372,3 +372,48 @@ def test_export_and_read_out_from_csv_equal_the_store(tmp_path: Path, capsys) ->
     assert math.isclose(
         float(next(r for r in comp if r["configuration"] == "bapo")["A diff"]), 0.05
     )
+
+
+def test_the_committed_stress_table_reads_back() -> None:
+    """docs/algorithms.md's stress-table results, re-drawn from the committed per-run CSVs (672
+    runs, 8 seeds per setting): the 40 answers' real ones, and the ESS answer with its tables."""
+    root = REPO / "docs/algos-pairs/stress2"
+    settings = {
+        name: stress2.load_setting(
+            ",".join(str(root / f"setting-{name}-seed{s}.csv") for s in range(8))
+        )
+        for name in ("A", "B")
+    }
+    assert [len(runs) for runs in settings.values()] == [336, 336]
+    out = stress2.verdicts(settings)
+    real = {k: round(v["pooled"][0], 3) for k, v in out.items() if v["pooled"][3] == "real"}
+    assert real == {
+        ("reuse8", "gspo"): 0.107,
+        ("reuse8", "vcpo"): 0.075,
+        ("reuse8", "prime_default"): -0.044,
+        ("reuse8", "kl_cov"): -0.076,
+        ("reuse8", "sapo"): -0.08,
+        ("reuse8", "grpo+loglinear"): -0.077,
+        ("reuse8", "m2po"): -0.098,
+        ("reuse8", "cispo"): -0.099,
+        ("reuse8", "ce_gppo"): -0.098,
+        ("reuse8", "grpo+recompute"): -0.099,
+        ("lag8", "gspo"): 0.115,
+        ("lag8", "vcpo"): 0.072,
+        ("lag8", "bapo"): -0.044,
+        ("lag8", "dapo"): -0.033,
+        ("lag8", "kl_cov"): -0.103,
+        ("lag8", "sapo"): -0.103,
+        ("lag8", "grpo+loglinear"): -0.108,
+        ("lag8", "m2po"): -0.108,
+        ("lag8", "cispo"): -0.109,
+        ("lag8", "ce_gppo"): -0.109,
+        ("lag8", "grpo+recompute"): -0.109,
+    }
+    assert not [k for k, v in out.items() if v["pooled"][3] == "not replicated"]
+    whole, _ = stress2.ess_tables(settings)
+    assert [
+        (t.falling_collapse, t.falling_kept, t.steady_collapse, t.steady_kept)
+        for t in whole.values()
+    ] == [(132, 204, 0, 0), (126, 210, 0, 0)]
+    assert ess.answer(whole, ["A", "B"]) == "no"
