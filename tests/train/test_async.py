@@ -362,8 +362,9 @@ def test_a_worker_killed_holding_the_weights_lock_fails_publish_instead_of_hangi
         ),
         (
             ["trainer.strategy=fsdp2"],
-            "trainer.strategy=fsdp2: staleness.regime=async trains under ddp (one process, or "
-            "bapo train --nproc N with rollout.servers): use trainer.strategy=ddp",
+            "trainer.strategy=fsdp2: staleness.regime=async without rollout.servers is one "
+            "process beside its generation worker: use trainer.strategy=ddp, or vLLM servers "
+            "(rollout.servers=[URL,...], docs/engines.md)",
         ),
         (
             ["staleness.ppo_epochs=2"],

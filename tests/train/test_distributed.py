@@ -262,9 +262,17 @@ def _trained(path: Path) -> dict:
 def test_fsdp2_two_ranks_checkpoint_whole_weights_and_resume_like_an_unbroken_run(
     tmp_path: Path,
 ) -> None:
+    """Also under trainer.micro_batch_tokens: 36 tokens pack the smoke run's mini-batches into
+    1 or 2 micro-batches, differently on the two ranks at every step (seen), which hung both
+    ranks before the updates agreed on one count (`split_to_count`)."""
     from bapo_cli.trainer import checkpoint
 
-    args = ("trainer.strategy=fsdp2", "trainer.max_steps=3", "trainer.save_every=1")
+    args = (
+        "trainer.strategy=fsdp2",
+        "trainer.max_steps=3",
+        "trainer.save_every=1",
+        "trainer.micro_batch_tokens=36",
+    )
     whole = _nproc_2(tmp_path / "whole", *args)
     assert whole.returncode == 0, whole.stderr[-3000:]
     # a run killed right after its step-2 checkpoint: only that checkpoint survives

@@ -25,6 +25,7 @@ from bapo_cli.rollout.scoring import (
     collate,
     pack_by_tokens,
     split_micro,
+    split_to_count,
     token_logprobs,
 )
 from bapo_cli.trainer.update import LossSpec, optimizer_update
@@ -60,6 +61,40 @@ def test_split_by_count_keeps_arrival_order() -> None:
     assert split_micro(samples, size=3) == [samples[:3], samples[3:]]
     by_tokens = split_micro(samples, size=3, tokens=12)  # lengths 6, 3, 10, 6
     assert by_tokens == [[samples[2]], [samples[0], samples[3]], [samples[1]]]
+
+
+def _padded(micro: list[Sample]) -> int:
+    return len(micro) * max(len(s.prompt_ids) + len(s.response_ids) for s in micro)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    lengths=st.lists(st.integers(1, 300), min_size=1, max_size=40),
+    budget=st.integers(1, 2000),
+    extra=st.integers(0, 40),
+)
+def test_split_to_count_fills_the_agreed_count_without_growing_a_micro_batch(
+    lengths, budget, extra
+) -> None:
+    """FSDP2's ranks agree on the largest count; a rank with fewer micro-batches splits its
+    own: exactly `count` of them, every sample once and in order, none wider than before."""
+    samples = [Sample([1], 0, None, [2] * (n - 1)) for n in lengths]
+    micro = split_micro(samples, size=1, tokens=budget)
+    count = min(len(micro) + extra, len(samples))
+    out = split_to_count(micro, count)
+    assert len(out) == count and all(out)
+    assert [id(s) for m in out for s in m] == [id(s) for m in micro for s in m]
+    assert max(map(_padded, out)) <= max(map(_padded, micro))
+    assert split_to_count(micro, len(micro)) == micro  # enough already: unchanged
+
+
+def test_split_to_count_halves_the_widest_first_and_needs_enough_samples() -> None:
+    s = [Sample([1], 0, None, [2] * r) for r in (9, 9, 3, 3, 3, 3)]  # widths 10 and 4
+    micro = [s[:2], s[2:]]  # padded 20 and 16
+    assert split_to_count(micro, 3) == [[s[0]], [s[1]], s[2:]]
+    assert split_to_count(micro, 4) == [[s[0]], [s[1]], s[2:4], s[4:]]  # then 16 (8 < 16)
+    with pytest.raises(ValueError, match="6 samples cannot fill 7 micro-batches"):
+        split_to_count(micro, 7)
 
 
 def _model() -> torch.nn.Module:

@@ -144,11 +144,38 @@ def split_micro(
     """One mini-batch's samples → micro-batches: `size` samples each in arrival order, or (with
     `tokens`, trainer.micro_batch_tokens) sorted by length and packed under a token budget so the
     padding share stays small with long-tailed response lengths. Scoring and training call this
-    with the same arguments, so both see the same tensors."""
+    with the same arguments, so both see the same tensors (FSDP2 with several ranks: the updates
+    may split further, `split_to_count`; the log-probs scored are kept per sample)."""
     if tokens is None:
         return [list(samples[i : i + size]) for i in range(0, len(samples), size)]
     lengths = [len(s.prompt_ids) + len(s.response_ids) for s in samples]
     return [[samples[i] for i in group] for group in pack_by_tokens(lengths, tokens)]
+
+
+def split_to_count(micro: list[list[Sample]], count: int) -> list[list[Sample]]:
+    """`micro` (one mini-batch's micro-batches) split until there are `count` of them, the
+    widest in padded tokens (rows × longest row) halved first (ties: the first), so no
+    micro-batch grows and the samples keep their order.
+
+    Why: under FSDP2 every forward is a collective, so all ranks must run the same number of
+    micro-batches, and a token budget packs each rank's own lengths into its own count. The
+    updates agree on the largest count; a rank with fewer splits (its samples, not padding:
+    no forward is wasted). Needs at least `count` samples."""
+    if sum(len(m) for m in micro) < count:
+        raise ValueError(f"{sum(len(m) for m in micro)} samples cannot fill {count} micro-batches")
+    out = [list(m) for m in micro]
+    while len(out) < count:
+
+        def padded(i: int) -> int:
+            rows = out[i]
+            width = max(len(s.prompt_ids) + len(s.response_ids) for s in rows)
+            return len(rows) * width if len(rows) > 1 else -1
+
+        widest = max(range(len(out)), key=lambda i: (padded(i), -i))
+        rows = out[widest]
+        half = (len(rows) + 1) // 2
+        out[widest : widest + 1] = [rows[:half], rows[half:]]
+    return out
 
 
 class ResponseLogits(torch.nn.Module):

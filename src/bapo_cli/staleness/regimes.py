@@ -427,12 +427,13 @@ class AsyncRL(Regime):
                 "refills a batch with new prompts once its rewards are known, which a worker "
                 "that generates ahead does not do: use staleness.regime=reuse, replay or lag",
             )
-        if cfg.trainer.strategy == "fsdp2":
+        if cfg.trainer.strategy == "fsdp2" and not servers:
             raise ConfigError(
                 "trainer.strategy",
                 cfg.trainer.strategy,
-                "staleness.regime=async trains under ddp (one process, or bapo train --nproc N "
-                "with rollout.servers): use trainer.strategy=ddp",
+                "staleness.regime=async without rollout.servers is one process beside its "
+                "generation worker: use trainer.strategy=ddp, or vLLM servers "
+                "(rollout.servers=[URL,...], docs/engines.md)",
             )
         if cfg.model.device == "cuda" and not servers:
             raise ConfigError(

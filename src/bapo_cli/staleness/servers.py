@@ -38,17 +38,20 @@ after every push, each server's log-probs of a fixed probe text against the trai
 worker process does: the samples of a unit depend on its prompts and the weights it met, not on
 which server answered or when.
 
-**Data-parallel ranks** (`bapo train --nproc N`, DDP). Every rank has a `ServerWorker` and
+**Data-parallel ranks** (`bapo train --nproc N`, DDP or FSDP2). Every rank has a `ServerWorker` and
 generates its own units (its share of the prompt stream) on the same servers; the ranks step
 together, so each one's admission counts the same global version. Rank 0 alone writes and pushes
 weights: in `publish`, after the step's all-reduce, it writes the version and pushes it to every
 server at once (`pause?mode=wait`, or `keep` under interrupt: the other ranks' requests may be
-running); then every rank meets in one gather: rank 0 hands out the version and the servers
-that hold it, the others hand in their own probe log-probs (`servers/rank_probe_abs_diff_max`:
-rank r's weights against rank 0's, which DDP keeps equal). A rank other than 0 admits its next
-unit only after that gather, so the servers hold every version its unit may be admitted at. Its
-pool (`FollowerPool`) never loads weights: a server rank 0 found down is down for it too, and
-one that comes back is used again once it holds the newest version (rank 0 gives it that).
+running); then every rank meets in one gather: rank 0 hands out the version and the servers that
+hold it, the others hand in their own probe log-probs (`servers/rank_probe_abs_diff_max`: rank r's
+weights against rank 0's, which DDP keeps equal). A rank other than 0 admits its next unit only
+after that gather, so the servers hold every version its unit may be admitted at. Its pool
+(`FollowerPool`) never loads weights: a server rank 0 found down is down for it too, and one that
+comes back is used again once it holds the newest version (rank 0 gives it that). Under FSDP2
+(`trainer.strategy=fsdp2`) the same, with every call that reads the weights (`_start` and `publish`:
+the write and the probe forwards) made by the trainer inside `DistContext.gathered`, where each rank
+holds the full weights and a forward is no collective.
 
 **Failures.** A server that dies has its requests re-sent to the others (`ServerPool`); each
 request has one answer, so each prompt group is trained exactly once. With none left, `receive`

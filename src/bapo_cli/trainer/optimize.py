@@ -49,7 +49,7 @@ def optimize(run: Run, batch: list[Sample]) -> tuple[list[dict[str, float]], int
     the micro-batch layout's perf/pad_frac and perf/micro_batches, and under rollout.seq_mask
     rollout/seq_masked_frac: the share of sequences masked, each update's use counted once, as
     opsm decides against the weights at that update)."""
-    minis = run.layout(batch)  # the tensors the behaviour log-probs were scored on (reuse)
+    minis = run.layout(batch, updates=True)  # as scored (FSDP2 ranks may split further)
     micro_all = [mb for micro in minis for mb in micro]
     padded = sum(mb.padded_tokens for mb in micro_all)
     layout = {

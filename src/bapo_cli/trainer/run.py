@@ -21,6 +21,7 @@ from bapo_cli.rollout.scoring import (
     logprob_dtype,
     record_behaviour,
     split_micro,
+    split_to_count,
 )
 from bapo_cli.staleness.regimes import Regime
 from bapo_cli.trainer import checkpoint, distributed
@@ -74,20 +75,24 @@ class Run:
     updates: list[dict[str, float]] = field(default_factory=list)  # per optimizer update
     batch: list[Sample] = field(default_factory=list)  # the samples of the last step
 
-    def layout(self, samples: list[Sample]) -> list[list[MicroBatch]]:
+    def layout(self, samples: list[Sample], *, updates: bool = False) -> list[list[MicroBatch]]:
         """Mini-batches (one per optimizer update) of micro-batches; the same split scores the
-        behaviour log-probs and trains, so an on-policy update sees identical tensors."""
+        behaviour log-probs and trains, so an on-policy update sees identical tensors.
+
+        `updates` (the optimizer's layout, which every rank makes in step): under FSDP2 with
+        several ranks and trainer.micro_batch_tokens, every mini-batch gets the largest count of
+        micro-batches any rank packed (one all-reduce; `split_to_count`), since each forward is a
+        collective. Scoring needs no such agreement: it runs in `gathered()`, no collective."""
         trainer, pad = self.cfg.trainer, self.tokenizer.pad_token_id
         dtype = logprob_dtype(self.model)  # float64 under model.dtype=float64, else float32
-        return [
-            [
-                collate(micro, pad, self.device, dtype)
-                for micro in split_micro(
-                    part, size=trainer.micro_batch_size, tokens=trainer.micro_batch_tokens
-                )
-            ]
+        parts = [
+            split_micro(part, size=trainer.micro_batch_size, tokens=trainer.micro_batch_tokens)
             for part in self.regime.split(samples)
         ]
+        if updates and self.ctx.sharded and self.ctx.world_size > 1 and trainer.micro_batch_tokens:
+            counts = self.ctx.max([float(len(micro)) for micro in parts])
+            parts = [split_to_count(m, int(c)) for m, c in zip(parts, counts, strict=True)]
+        return [[collate(micro, pad, self.device, dtype) for micro in part] for part in parts]
 
     def score(self, samples: list[Sample]) -> None:
         """Behaviour log-probs of fresh samples. A regime whose first mini-batch is trained by

@@ -109,7 +109,11 @@ def train(
             if cfg.trainer.val_every and run.state.step == 0:
                 tracker.log_metrics(_validate(run), step=0)
             # async: the generation worker starts from the weights and version training resumes
-            run.regime.start(cfg, run.model, run.state.version, run_dir=run.run_dir, group=run.ctx)
+            # (FSDP2: every rank holds the full weights while rank 0 writes them for the servers)
+            with run.ctx.gathered(run.scorer):
+                run.regime.start(
+                    cfg, run.model, run.state.version, run_dir=run.run_dir, group=run.ctx
+                )
             stopped = _loop(run, tracker, stop)
             status = "KILLED" if stopped else "FINISHED"
             clean = True  # every rank is past the last step's collectives
