@@ -161,21 +161,23 @@ def split_to_count(micro: list[list[Sample]], count: int) -> list[list[Sample]]:
     micro-batches, and a token budget packs each rank's own lengths into its own count. The
     updates agree on the largest count; a rank with fewer splits (its samples, not padding:
     no forward is wasted). Needs at least `count` samples."""
-    if sum(len(m) for m in micro) < count:
-        raise ValueError(f"{sum(len(m) for m in micro)} samples cannot fill {count} micro-batches")
+    total = sum(len(m) for m in micro)
+    if total < count:
+        raise ValueError(f"{total} samples cannot fill {count} micro-batches")
     out = [list(m) for m in micro]
     while len(out) < count:
-
-        def padded(i: int) -> int:
-            rows = out[i]
-            width = max(len(s.prompt_ids) + len(s.response_ids) for s in rows)
-            return len(rows) * width if len(rows) > 1 else -1
-
-        widest = max(range(len(out)), key=lambda i: (padded(i), -i))
+        # a single sample cannot be halved: it ranks below every micro-batch that can
+        splittable = [_padded_tokens(m) if len(m) > 1 else -1 for m in out]
+        widest = max(range(len(out)), key=lambda i: (splittable[i], -i))
         rows = out[widest]
         half = (len(rows) + 1) // 2
         out[widest : widest + 1] = [rows[:half], rows[half:]]
     return out
+
+
+def _padded_tokens(rows: Sequence[Sample]) -> int:
+    """Positions a micro-batch of `rows` pads to: rows × its longest prompt + response."""
+    return len(rows) * max(len(s.prompt_ids) + len(s.response_ids) for s in rows)
 
 
 class ResponseLogits(torch.nn.Module):

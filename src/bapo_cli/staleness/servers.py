@@ -45,7 +45,7 @@ weights: in `publish`, after the step's all-reduce, it writes the version and pu
 server at once (`pause?mode=wait`, or `keep` under interrupt: the other ranks' requests may be
 running); then every rank meets in one gather: rank 0 hands out the version and the servers that
 hold it, the others hand in their own probe log-probs (`servers/rank_probe_abs_diff_max`: rank r's
-weights against rank 0's, which DDP keeps equal). A rank other than 0 admits its next unit only
+weights against rank 0's, equal under DDP and FSDP2). A rank other than 0 admits its next unit only
 after that gather, so the servers hold every version its unit may be admitted at. Its pool
 (`FollowerPool`) never loads weights: a server rank 0 found down is down for it too, and one that
 comes back is used again once it holds the newest version (rank 0 gives it that). Under FSDP2

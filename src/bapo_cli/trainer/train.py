@@ -23,6 +23,7 @@ Run it: `bapo train algo=bapo staleness=4` (tiny model, synthetic arithmetic, CP
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -109,8 +110,10 @@ def train(
             if cfg.trainer.val_every and run.state.step == 0:
                 tracker.log_metrics(_validate(run), step=0)
             # async: the generation worker starts from the weights and version training resumes
-            # (FSDP2: every rank holds the full weights while rank 0 writes them for the servers)
-            with run.ctx.gathered(run.scorer):
+            # (FSDP2: every rank holds the full weights while rank 0 writes them for the servers;
+            # a regime that generates with the trainer's engine needs no gather here)
+            elsewhere = run.regime.generates_elsewhere
+            with run.ctx.gathered(run.scorer) if elsewhere else contextlib.nullcontext():
                 run.regime.start(
                     cfg, run.model, run.state.version, run_dir=run.run_dir, group=run.ctx
                 )
