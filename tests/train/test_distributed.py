@@ -338,11 +338,18 @@ def test_fsdp2_without_torchrun_says_how_to_launch(_output_root: Path) -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
-def test_vllm_engine_per_rank_gets_the_trained_weights(tmp_path: Path, strategy) -> None:
+def test_vllm_engine_per_rank_gets_the_trained_weights(
+    tmp_path: Path, strategy, monkeypatch
+) -> None:
     """Each rank runs its own colocated vLLM engine; after every update the full weights (FSDP2:
     gathered from the shards) reach it: its log-probs of the tokens it sampled stay equal to the
-    trainer's. Stale weights put them ~0.04 apart on average (tests/rollout)."""
+    trainer's. Stale weights put them ~0.04 apart on average (tests/rollout).
+
+    The real CLI's whole output (torchrun's and both ranks', stdout and stderr) over three steps
+    with weight syncs: vLLM's INFO lines and its false "Failed to load weights" warnings stay out
+    (VLLM_LOGGING_LEVEL unset; this check ran as a one-process run of its own before)."""
     pytest.importorskip("vllm")
+    monkeypatch.delenv("VLLM_LOGGING_LEVEL", raising=False)  # this process's engine may set it
     run_dir = tmp_path / "run"
     result = run_bapo(
         "train",
@@ -357,7 +364,11 @@ def test_vllm_engine_per_rank_gets_the_trained_weights(tmp_path: Path, strategy)
         timeout=600,
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "rollout engine: vllm" in result.stdout
+    assert "rollout engine: vllm" in result.stdout and "bapo train: summary" in result.stdout
+    output = (result.stdout + result.stderr).splitlines()
+    assert [line for line in output if " INFO " in line] == []
+    assert [line for line in output if "Failed to load weights" in line] == []
+    assert [line for line in output if "Loading safetensors checkpoint shards" in line] == []
     state = torch.load(
         run_dir / "checkpoints" / "step_000003" / "trainer_state.pt", weights_only=False
     )
