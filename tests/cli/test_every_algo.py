@@ -89,6 +89,7 @@ def test_loglinear_old_logprobs_train_one_step_from_the_cli(_output_root: Path) 
     assert loglinear.returncode == 0, loglinear.stderr[-3000:]
     runs = _finished(_output_root)
     assert sorted(runs) == ["grpo"]
+    assert runs["grpo"].data.params["trainer.old_logprob"] == "loglinear"  # the option reached it
     metrics = runs["grpo"].data.metrics
     assert all(key in metrics for key in SHARED), sorted(metrics)
     assert metrics["actor/updates"] == 2.0
