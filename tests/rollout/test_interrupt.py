@@ -126,6 +126,7 @@ def test_tokens_after_a_weight_change_carry_the_new_version_and_its_logprobs(pol
         model.load_state_dict(saved)
 
 
+@pytest.mark.vllm
 def test_vllm_refuses_an_interrupt() -> None:
     pytest.importorskip("vllm")
     from bapo_cli.rollout.vllm import VLLMEngine

@@ -17,7 +17,7 @@ from bapo_cli.rollout.base import FINISH_BUDGET, FINISH_LENGTH, FINISH_STOP, Req
 from bapo_cli.rollout.collect import Collector
 from tests.rollout.conftest import perturb_embedding, score_with, trainer_logprobs
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 pytest.importorskip("vllm")  # every test here runs vLLM or its engine module
 
 # float32 on CPU: vLLM's kernels vs the trainer's forward, same weights (measured max ~5e-6)

@@ -19,7 +19,7 @@ from bapo_cli.rollout.scoring import ResponseLogits, collate
 from bapo_cli.trainer.update import LossSpec, optimizer_update
 from tests.rollout.conftest import trainer_logprobs
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 pytest.importorskip("vllm")
 
 LOGPROB_TOL = 1e-4  # float32 on CPU, as tests/rollout/test_vllm_engine.py

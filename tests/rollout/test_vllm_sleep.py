@@ -9,6 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+pytestmark = pytest.mark.vllm
 pytest.importorskip("vllm")
 
 from bapo_cli.rollout.base import FINISH_STOP, Request, SamplingParams  # noqa: E402

@@ -16,7 +16,7 @@ from bapo_cli.config.preflight import preflight
 from bapo_cli.trainer.train import TrainResult, train
 from tests.train.conftest import FAST
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 pytest.importorskip("vllm")
 
 MISMATCH = ("rollout/logprob_abs_diff_mean", "rollout/logprob_abs_diff_max")

@@ -32,7 +32,7 @@ from tests.servers.test_train_servers import (
 )
 from tests.train.conftest import FAST, train_in_background, wait_for
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 
 ONE_THREAD = {"OMP_NUM_THREADS": "1"}  # two ranks and two servers on the same cores
 RANKS_TOL = 1e-6  # DDP keeps the ranks' weights equal; one forward each, separate processes

@@ -29,7 +29,7 @@ from bapo_cli.rollout.base import eos_ids
 from bapo_cli.rollout.servers import ServerPool
 from tests.conftest import run_bapo
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 
 REWARD = (
     "from bapo_cli.data.tasks import arith_reward\n\n"

@@ -126,6 +126,7 @@ def test_the_fan_out_client_sends_to_every_server_at_once_with_its_own_rank_offs
 # --------------------------------------------------------------------- against vLLM's classes
 
 
+@pytest.mark.vllm
 def test_what_is_sent_is_what_vllm_0_32_parses() -> None:
     """vLLM's own dataclasses and iteration check, fed what this adapter produces: the update
     info, the per-server worker init payload (rank offset rewritten), and the source that
@@ -223,6 +224,7 @@ def _pool(cls, fleet, model, root: Path):
     return pool
 
 
+@pytest.mark.vllm
 @pytest.mark.slow
 def test_a_push_that_moves_nothing_is_stopped_at_start_in_one_line(fleet, tmp_path) -> None:
     fleet.ensure_all()
@@ -238,6 +240,7 @@ def test_a_push_that_moves_nothing_is_stopped_at_start_in_one_line(fleet, tmp_pa
     assert "\n" not in str(info.value)
 
 
+@pytest.mark.vllm
 @pytest.mark.slow
 def test_the_pool_leaves_every_server_on_the_trainers_weights(fleet, tmp_path) -> None:
     fleet.ensure_all()

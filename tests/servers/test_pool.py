@@ -29,7 +29,7 @@ from bapo_cli.rollout.servers import (
     model_identity,
 )
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 
 LOGPROB_TOL = 1e-4  # float32 on CPU: vLLM's kernels vs transformers (measured max ~6e-6)
 PROBE = [1, *range(40, 72)]  # a fixed probe prompt: BOS and 32 byte tokens

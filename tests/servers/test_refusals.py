@@ -83,6 +83,18 @@ URL = "http://127.0.0.1:9"  # a port nothing listens on (discard)
             "algo.behav_weight_cap (decoupled PPO), or drop rollout.tis_cap",
         ),
         (
+            [*ASYNC, f"rollout.servers=[{URL}]", "staleness.weights=filesystem"]
+            + ["rollout.temperature=2.5"],
+            "rollout.temperature=2.5: vLLM (rollout.servers) samples at temperatures 0-2 only and "
+            "refuses every request above: lower it, or generate in this process (drop "
+            "rollout.servers)",
+        ),
+        (
+            ["rollout=vllm", "rollout.temperature=2.01"],
+            "rollout.temperature=2.01: vLLM (rollout=vllm) samples at temperatures 0-2 only and "
+            "refuses every request above: lower it, or generate with transformers (rollout=hf)",
+        ),
+        (
             [*ASYNC, "staleness.weights=disk"],
             "staleness.weights=disk: must be one of shm, filesystem, nccl",
         ),
@@ -124,6 +136,15 @@ def test_eval_rules_are_one_line() -> None:
     assert str(info.value) == (
         f"rollout.servers=['{URL}']: bapo eval scores through one server: eval.server=URL"
     )
+    with pytest.raises(PreflightError) as info:
+        preflight("eval", [f"eval.server={URL}", "eval.temperature=3"])
+    assert str(info.value) == (
+        "eval.temperature=3.0: vLLM (eval.server) samples at temperatures 0-2 only and refuses "
+        "every request above: lower it, or score in this process (drop eval.server)"
+    )
+    with pytest.raises(PreflightError, match=r"^eval.temperature=2.5: vLLM \(rollout=vllm\)"):
+        preflight("eval", ["rollout=vllm", "eval.temperature=2.5"])  # config only
+    preflight("eval", [f"eval.server={URL}", "eval.temperature=2"])  # 2 itself is vLLM's own
 
 
 def _nothing_written(root: Path) -> bool:

@@ -15,6 +15,7 @@ from tests.conftest import run_bapo
 from tests.servers.conftest import free_port
 
 
+@pytest.mark.vllm
 def test_print_command_names_every_flag_a_run_needs() -> None:
     pytest.importorskip("vllm")
     res = run_bapo("serve", "model.max_model_len=96", "--port", "8123", "--print-command")
@@ -41,6 +42,7 @@ def test_print_command_names_every_flag_a_run_needs() -> None:
     assert args[args.index("--model") + 1].endswith("weights/tiny")  # the shipped tiny model
 
 
+@pytest.mark.vllm
 def test_nccl_weights_add_vllms_weight_transfer_flag_on_a_gpu_only() -> None:
     """`--weights nccl` starts the server with vLLM's NCCL weight-transfer routes; off CUDA it is
     refused in one line (the transfer would report success and move nothing). The flag is parsed
@@ -68,6 +70,7 @@ def test_nccl_weights_add_vllms_weight_transfer_flag_on_a_gpu_only() -> None:
     assert engine.weight_transfer_config.backend == "nccl"
 
 
+@pytest.mark.vllm
 def test_the_extension_named_is_the_class() -> None:
     pytest.importorskip("vllm")
     from bapo_cli.rollout import vllm_ext
@@ -80,6 +83,7 @@ def test_the_extension_named_is_the_class() -> None:
     assert public and all(a.startswith("bapo_") for a in public)
 
 
+@pytest.mark.vllm
 def test_a_busy_port_is_refused_in_one_line() -> None:
     pytest.importorskip("vllm")
     with socket.socket() as held:

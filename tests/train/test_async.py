@@ -221,6 +221,7 @@ def _rescore(model: Any, tokenizer: Any, samples: list[Sample]) -> list[Sample]:
     return rescored
 
 
+@pytest.mark.vllm
 def test_a_vllm_worker_samples_and_the_trainer_keeps_its_logprobs_for_the_mismatch(
     tmp_path,
 ) -> None:
@@ -245,6 +246,7 @@ def test_a_vllm_worker_samples_and_the_trainer_keeps_its_logprobs_for_the_mismat
     assert _workers() == []
 
 
+@pytest.mark.vllm
 def test_a_vllm_worker_is_closed_cleanly_when_training_ends(tmp_path) -> None:
     # killed instead of closed, the worker's vLLM engine leaves its semaphores behind and
     # Python's resource tracker warns about "leaked semaphore objects" as `bapo train` exits

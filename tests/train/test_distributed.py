@@ -336,6 +336,7 @@ def test_fsdp2_without_torchrun_says_how_to_launch(_output_root: Path) -> None:
     assert "--nproc N" in result.stderr
 
 
+@pytest.mark.vllm
 @pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
 def test_vllm_engine_per_rank_gets_the_trained_weights(

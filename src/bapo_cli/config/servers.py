@@ -19,6 +19,9 @@ Why each rule:
   CUDA it runs through `rollout.weights_nccl` (built, not run: no GPU with vLLM was available;
   its start-up canary stops a push that moves nothing, docs/engines.md); `staleness.nccl_master`
   must be HOST:PORT;
+- vLLM takes temperatures 0-2 only (`SamplingParams` refuses more; a server answers each such
+  request with HTTP 400): a run on servers or `rollout=vllm`, or an eval on a server or vLLM,
+  would fail at its first request, after the engine or the servers started;
 - `rollout.tis_cap` and `rollout.seq_mask=geo` weigh the trainer's log-probs against the
   engine's *under the same weights*; with servers the behaviour log-probs are the servers' own
   (the trainer never holds the weights that sampled an old token), so both would be weights of
@@ -33,6 +36,7 @@ from typing import Any
 from bapo_cli.config.errors import ConfigError
 
 WEIGHT_TRANSPORTS = ("shm", "filesystem", "nccl")
+VLLM_MAX_TEMPERATURE = 2.0  # vllm.SamplingParams: "temperature must be in [0, 2]"
 URL_FORM = "give http://HOST:PORT, as `bapo serve` prints it"
 
 
@@ -114,6 +118,12 @@ def check_train(cfg: Any) -> None:
             cfg.staleness.weights_dir,
             "only the filesystem transport writes weights: needs staleness.weights=filesystem",
         )
+    if servers:
+        why = ("rollout.servers", "generate in this process (drop rollout.servers)")
+        check_vllm_temperature("rollout.temperature", cfg.rollout.temperature, *why)
+    elif cfg.rollout.name == "vllm":
+        why = ("rollout=vllm", "generate with transformers (rollout=hf)")
+        check_vllm_temperature("rollout.temperature", cfg.rollout.temperature, *why)
     if servers and cfg.rollout.tis_cap is not None:
         raise ConfigError(
             "rollout.tis_cap",
@@ -133,6 +143,18 @@ def check_train(cfg: Any) -> None:
         )
 
 
+def check_vllm_temperature(key: str, temperature: float, vllm: str, instead: str) -> None:
+    """vLLM samples at temperatures 0-2 only: above, one line before any engine or server starts
+    (`vllm` names what brings vLLM in, `instead` the way around it)."""
+    if temperature > VLLM_MAX_TEMPERATURE:
+        raise ConfigError(
+            key,
+            temperature,
+            f"vLLM ({vllm}) samples at temperatures 0-{VLLM_MAX_TEMPERATURE:g} only and refuses "
+            f"every request above: lower it, or {instead}",
+        )
+
+
 def check_eval(cfg: Any) -> None:
     """Rules of an evaluation config (an `EvalRunConfig`)."""
     if cfg.rollout.servers:
@@ -143,3 +165,8 @@ def check_eval(cfg: Any) -> None:
         )
     if cfg.eval.server is not None:
         check_url("eval.server", cfg.eval.server)
+        why = ("eval.server", "score in this process (drop eval.server)")
+        check_vllm_temperature("eval.temperature", cfg.eval.temperature, *why)
+    elif cfg.rollout.name == "vllm":
+        why = ("rollout=vllm", "generate with transformers (rollout=hf)")
+        check_vllm_temperature("eval.temperature", cfg.eval.temperature, *why)

@@ -1,0 +1,51 @@
+"""`.ci/vllm_pass.py`: CI's second pass (`-m vllm`) must run exactly what skipped without vLLM."""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+
+from tests.conftest import REPO
+
+SCRIPT = REPO / ".ci" / "vllm_pass.py"
+_spec = importlib.util.spec_from_file_location("vllm_pass", SCRIPT)
+vllm_pass = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(vllm_pass)
+
+COLLECTED = ["a.py::t1", "a.py::t2", "b.py::t1", "b.py::t2[x]", "b.py::t2[y]", "c.py::t1"]
+
+
+def test_the_same_tests_differ_in_nothing() -> None:
+    skipped = {"a.py", "b.py::t2[x]", "b.py::t2[y]"}
+    selected = {"a.py::t1", "a.py::t2", "b.py::t2[x]", "b.py::t2[y]"}
+    assert vllm_pass.differences(skipped, COLLECTED, selected) == []
+
+
+def test_an_unmarked_skip_and_a_needless_mark_are_each_one_line() -> None:
+    skipped = {"a.py", "b.py::t2[x]"}
+    selected = {"a.py::t1", "b.py::t1"}  # a.py::t2 unmarked, b.py::t2[x] unmarked, b.py::t1 not
+    assert vllm_pass.differences(skipped, COLLECTED, selected) == [
+        "a.py::t2: skipped without vLLM (whole module), not marked vllm",
+        "b.py::t2[x]: skipped without vLLM, not marked vllm",
+        "b.py::t1: marked vllm, but it ran without vLLM in the first pass",
+    ]
+
+
+def test_a_skipped_module_the_second_pass_did_not_collect_is_named() -> None:
+    assert vllm_pass.differences({"d.py"}, COLLECTED, set()) == [
+        "d.py: skipped without vLLM (whole module), not marked vllm"
+    ]
+
+
+def test_the_script_exits_1_and_says_why(tmp_path) -> None:
+    (tmp_path / "skips").write_text("a.py\na.py\n")  # the two workers and the controller repeat
+    (tmp_path / "selected").write_text("a.py::t1\n")
+    (tmp_path / "selected.collected").write_text("\n".join(COLLECTED) + "\n")
+    args = [sys.executable, str(SCRIPT), str(tmp_path / "skips"), str(tmp_path / "selected")]
+    done = subprocess.run(args, capture_output=True, text=True)
+    assert done.returncode == 1
+    assert done.stderr == "ci: a.py::t2: skipped without vLLM (whole module), not marked vllm\n"
+    (tmp_path / "selected").write_text("a.py::t1\na.py::t2\n")
+    done = subprocess.run(args, capture_output=True, text=True)
+    assert (done.returncode, done.stderr) == (0, "")
