@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import importlib.util
+import os
+import re
 import subprocess
 import sys
+import time
 
 from tests.conftest import REPO
 
@@ -49,3 +52,27 @@ def test_the_script_exits_1_and_says_why(tmp_path) -> None:
     (tmp_path / "selected").write_text("a.py::t1\na.py::t2\n")
     done = subprocess.run(args, capture_output=True, text=True)
     assert (done.returncode, done.stderr) == (0, "")
+
+
+def test_quiet_tests_run_last_and_wait_for_the_file(tmp_path) -> None:
+    """tests/conftest.py: a `quiet` test runs after the others (whatever its place in the file)
+    and, with BAPO_QUIET_AFTER set, only once that file exists (.ci/run writes it when the first
+    pass is done)."""
+    (tmp_path / "conftest.py").write_text((REPO / "tests" / "conftest.py").read_text())
+    (tmp_path / "test_order.py").write_text(
+        "import time\nimport pytest\n\n\n"
+        "@pytest.mark.quiet\ndef test_q():\n    print('RAN q', time.time())\n\n\n"
+        "def test_a():\n    print('RAN a', time.time())\n"
+    )
+    flag = tmp_path / "first-pass-done"
+    env = {**os.environ, "BAPO_QUIET_AFTER": str(flag)}
+    args = [sys.executable, "-m", "pytest", "-s", "-q", "-p", "no:cacheprovider", "test_order.py"]
+    proc = subprocess.Popen(args, cwd=tmp_path, env=env, stdout=subprocess.PIPE, text=True)
+    time.sleep(3.0)  # pytest starts and runs test_a, then test_q waits for the file
+    written = time.time()
+    flag.touch()
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0, out
+    ran = re.findall(r"RAN (\w) ([\d.]+)", out)  # pytest's dots share their lines
+    assert [name for name, _ in ran] == ["a", "q"], out
+    assert float(ran[1][1]) >= written  # q ran only after the file appeared
