@@ -29,6 +29,7 @@ import torch
 
 from bapo_cli.config.preflight import preflight
 from bapo_cli.models import loading as models
+from bapo_cli.rollout import weights_fs
 from bapo_cli.rollout.servers import ServerPool
 from bapo_cli.trainer import checkpoint
 from bapo_cli.trainer.train import train
@@ -149,9 +150,10 @@ class HoldAcrossAPush(threading.Thread):
         self.error: BaseException | None = None
 
     def newest(self) -> int:
+        """The newest complete version written (noting when each first appeared)."""
         now = time.monotonic()
-        for d in self.weights.glob("step_*"):
-            self.seen.setdefault(int(d.name.split("_")[1]), now)
+        for version in weights_fs.versions(self.weights):
+            self.seen.setdefault(version, now)
         return max(self.seen, default=-1)
 
     def other_holds(self) -> int:
