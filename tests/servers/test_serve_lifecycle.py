@@ -12,24 +12,36 @@ engine core exists (seconds), the ready one waits for the whole start (a minute)
 from __future__ import annotations
 
 import contextlib
+import json
+import os
+import secrets
 import signal
 import socket
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import psutil
 import pytest
 
-from bapo_cli.rollout import serve
+from bapo_cli.rollout import serve, server_auth
 from tests.conftest import run_bapo
 from tests.servers.conftest import SERVE_OVERRIDES, START_TIMEOUT_S, free_port
+from tests.train.conftest import FAST
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
+pytest.importorskip("vllm")
 
 # the stop grace, then SIGKILL; the margin covers a loaded machine's scheduling, not a stop
 GONE_WITHIN_S = serve.STOP_GRACE_S + 10.0
+# the routes a run uses (the start-up check, generation, a weight push), each refused alike
+ROUTES = [("GET", "/v1/models"), ("POST", "/inference/v1/generate")]
+ROUTES += [("POST", p) for p in ("/collective_rpc", "/pause", "/resume", "/reset_prefix_cache")]
+ROUTES += [("POST", "/update_weight_version")]
+OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
 
 class Serving:
@@ -147,6 +159,74 @@ def test_stop_signals_during_start_up_take_the_whole_server_down(tmp_path) -> No
     finally:
         for serving in servings:
             serving.kill_all()
+
+
+def _status(url: str, method: str, path: str, token: str | None = None) -> int:
+    headers = {"content-type": "application/json"}
+    if token is not None:
+        headers["authorization"] = f"Bearer {token}"
+    data = b"{}" if method == "POST" else None
+    req = urllib.request.Request(url + path, data=data, method=method, headers=headers)
+    try:
+        with OPENER.open(req, timeout=30) as r:
+            return r.status
+    except urllib.error.HTTPError as err:
+        return err.code
+
+
+def test_a_token_guards_every_route_a_run_uses_and_sighup_stops_the_ready_server(
+    tmp_path,
+) -> None:
+    """`BAPO_SERVER_TOKEN` set for `bapo serve`: without it every route a run uses answers 401
+    (vLLM's own --api-key leaves the dev routes open: any local user could pause, abort or reload
+    another user's run); `bapo train` without it is one line, with it trains and never prints
+    it. Then the ready server gets SIGHUP (a closed terminal or ssh session). Was: `bapo serve`
+    died of it, exit 129, and the server kept listening."""
+    token = secrets.token_urlsafe()
+    serving = Serving(tmp_path, env={**os.environ, server_auth.TOKEN_ENV: token})
+    try:
+        serving.wait_ready()
+        assert "(token required)" in serving.log.read_text()
+        url = serving.url
+        for method, path in ROUTES:
+            assert _status(url, method, path) == 401, path
+            assert _status(url, method, path, "not-the-token-but-long-enough") == 401, path
+        assert _status(url, "GET", "/health") == 200
+        assert _status(url, "GET", "/v1/models", token) == 200
+        args = [
+            "staleness.regime=async",
+            f"rollout.servers=[{url}]",
+            "staleness.weights=filesystem",
+            "model.max_model_len=256",
+            "trainer.max_steps=2",
+        ]
+        refused = run_bapo("train", *FAST, *args, env={server_auth.TOKEN_ENV: ""})
+        assert refused.returncode == 2, refused.stderr[-3000:]
+        assert refused.stderr == f"error: {server_auth.refused(url)}\n"
+        run_dir = tmp_path / "run"
+        trained = run_bapo(
+            "train",
+            *FAST,
+            *args,
+            "trainer.log_samples=32",
+            f"hydra.run.dir={run_dir}",
+            env={server_auth.TOKEN_ENV: token},
+            timeout=600,
+        )
+        assert trained.returncode == 0, trained.stderr[-3000:]
+        rows = (run_dir / "samples.jsonl").read_text().splitlines()
+        assert sorted({json.loads(r)["step"] for r in rows}) == [1, 2]
+        written = [p.read_text(errors="replace") for p in run_dir.rglob("*") if p.is_file()]
+        assert token not in trained.stdout + trained.stderr + "".join(written)
+
+        assert len(serving.tree()) >= 4  # the watch, the API server, the engine core, its worker
+        serving.proc.send_signal(signal.SIGHUP)
+        t0 = time.monotonic()
+        assert serving.proc.wait(timeout=GONE_WITHIN_S) == 128 + signal.SIGHUP, serving.output()
+        serving.wait_gone(GONE_WITHIN_S - (time.monotonic() - t0))
+        assert _port_closed(serving.port)
+    finally:
+        serving.kill_all()
 
 
 def test_a_missing_model_dir_is_one_line_before_any_server_starts(tmp_path) -> None:
