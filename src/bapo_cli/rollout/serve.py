@@ -26,7 +26,13 @@ what `vllm serve` runs) with what a training run needs from it:
   be reachable from other machines unless the user means it (`--host 0.0.0.0` on a trusted
   network, for the two-machine setup).
 
-This module starts a process; it never imports vLLM (the launching process stays light).
+With `BAPO_SERVER_TOKEN` set, `--middleware bapo_cli.rollout.server_auth.RequireToken` too:
+every route but /health needs the token (vLLM's own --api-key leaves the dev routes open).
+
+The server runs in a session of its own under a watch (`serve_watch`), so that a stop signal to
+`bapo serve`, at any moment, or its death takes the whole server down: API server, engine core
+and worker (`StopSignals`, `stop`; docs/faults.md). This module starts a process; it never
+imports vLLM (the launching process stays light).
 """
 
 from __future__ import annotations
@@ -228,8 +234,8 @@ def wait_ready(
 def stop(proc: subprocess.Popen, grace_s: float = STOP_GRACE_S) -> None:
     """Stop the server's whole process group (`start`: the watch leads it): SIGTERM, then SIGKILL
     to whatever of it is left after `grace_s`; returns once none of it is left (the watch reaped).
-    A SIGTERM in its start-up is lost on vLLM (it loads on), so a server stopped then takes the
-    whole grace."""
+    vLLM does not act on a SIGTERM while its model loads (docs/faults.md), so a server stopped
+    then takes the whole grace."""
     for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, KILL_WAIT_S)):
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, sig)
