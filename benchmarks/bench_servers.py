@@ -203,7 +203,7 @@ def push_0p5b(console: Console, work: Path) -> dict:
     port = free_port()
     url = serve.url_for("127.0.0.1", port)
     cmd = serve.server_command(spec, port=port, extra=["--skip-tokenizer-init"])
-    proc = serve.start(cmd, serve.server_env(False), log=work / "server-0p5b.log", new_session=True)
+    proc = serve.start(cmd, serve.server_env(False), log=work / "server-0p5b.log")
     try:
         ready = serve.wait_ready(url, proc, 1800)
         console.print(f"0.5B-shaped server ready in {ready:.0f} s")

@@ -41,7 +41,7 @@ def main() -> int:
     cfg = preflight("train", overrides).config
     _, cmd, env, url = serve.plan(cfg, port=args.port, host="127.0.0.1", weights="nccl")
     env["CUDA_VISIBLE_DEVICES"] = "1"
-    proc = serve.start(cmd, env, new_session=True)
+    proc = serve.start(cmd, env)
     try:
         serve.wait_ready(url, proc, 900)
         device = torch.device("cuda:0")

@@ -312,17 +312,21 @@ def serve(
     """
     from bapo_cli.rollout import serve as serving
 
-    checked = _preflight("train", overrides)
     console = Console(highlight=False, soft_wrap=True, markup=False, emoji=False)
     try:
-        code = serving.run(
-            checked.config,
-            port=port,
-            host=host,
-            print_only=print_command,
-            say=console.print,
-            weights=weights,
-        )
+        with serving.StopSignals() as signals:  # SIGTERM, SIGINT, SIGHUP: 128 + N, server gone
+            checked = _preflight("train", overrides)
+            code = serving.run(
+                checked.config,
+                port=port,
+                host=host,
+                print_only=print_command,
+                say=console.print,
+                signals=signals,
+                weights=weights,
+            )
+    except serving.Stopped as stopped:
+        raise typer.Exit(128 + stopped.signum) from None
     except (serving.ServeError, serving.models.ModelLoadError) as err:
         raise _fail(str(err)) from None
     raise typer.Exit(code)

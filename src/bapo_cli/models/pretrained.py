@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import re
+from pathlib import Path
 from typing import Any
 
 from bapo_cli.models import hub
@@ -45,6 +46,39 @@ def load_hub(hf_id: str, device: Any, dtype: Any, *, trust_remote_code: bool) ->
             f"cannot be used ({offline}); pass a local directory: model.path=/path/to/model "
             f"(on a machine with a network: hf download {hf_id} --local-dir /path/to/model)"
         ) from None
+
+
+WEIGHT_FILES = ("*.safetensors", "*.bin", "*.pt")  # what vLLM's default loader looks for
+
+
+def check_servable(source: str, trust_remote_code: bool, *, local: bool) -> None:
+    """What an engine in another process (a vLLM server) will load, checked here without the
+    weights, in seconds instead of the server's minute and its tracebacks: transformers reads the
+    config (a known architecture) and the tokenizer, and a local directory holds weight files.
+    A hub id is read through the HF cache (models.hub: offline when the hub is out of reach).
+    One ModelLoadError line otherwise."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    offline = None if local else hub.go_offline_if_unreachable()
+    loaded = []
+    for what, load in (("config", AutoConfig), ("tokenizer", AutoTokenizer)):
+        try:
+            loaded.append(load.from_pretrained(source, trust_remote_code=trust_remote_code))
+        except Exception as err:  # unknown architecture, broken JSON, missing files, no network
+            where = f"its {what} cannot be loaded ({first_line(err)})"
+            if offline is not None:
+                where = f"not in the HF cache, and the HF hub cannot be used ({offline})"
+            raise ModelLoadError(f"model.path={source}: {where}") from None
+    if len(loaded[1]) < 2:  # transformers 5 builds an empty tokenizer when its files are missing
+        raise ModelLoadError(
+            f"model.path={source}: its tokenizer is empty (no tokenizer.json, vocab.json or "
+            "tokenizer.model); name a HF model directory with its tokenizer files"
+        )
+    if local and not any(any(Path(source).glob(p)) for p in WEIGHT_FILES):
+        raise ModelLoadError(
+            f"model.path={source}: no weight files ({', '.join(WEIGHT_FILES)}); name a HF model "
+            "directory with its weights"
+        )
 
 
 def from_pretrained(

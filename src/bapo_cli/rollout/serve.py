@@ -26,7 +26,13 @@ what `vllm serve` runs) with what a training run needs from it:
   be reachable from other machines unless the user means it (`--host 0.0.0.0` on a trusted
   network, for the two-machine setup).
 
-This module starts a process; it never imports vLLM (the launching process stays light).
+With `BAPO_SERVER_TOKEN` set, `--middleware bapo_cli.rollout.server_auth.RequireToken` too:
+every route but /health needs the token (vLLM's own --api-key leaves the dev routes open).
+
+The server runs in a session of its own under a watch (`serve_watch`), so that a stop signal to
+`bapo serve`, at any moment, or its death takes the whole server down: API server, engine core
+and worker (`StopSignals`, `stop`; docs/faults.md). This module starts a process; it never
+imports vLLM (the launching process stays light).
 """
 
 from __future__ import annotations
@@ -49,6 +55,7 @@ from typing import Any
 
 from bapo_cli.models import loading as models
 from bapo_cli.models import lora
+from bapo_cli.rollout import server_auth
 from bapo_cli.rollout.base import device_is_cuda
 
 EXTENSION = "bapo_cli.rollout.vllm_ext.BapoWorkerExtension"  # rollout.vllm_ext.EXTENSION
@@ -60,6 +67,11 @@ WEIGHTS = ("filesystem", "nccl")  # how the trainer's weights reach this server
 # vLLM's NCCL weight-transfer routes (`rollout.weights_nccl`); GPU servers only
 NCCL_FLAGS = ["--weight-transfer-config", '{"backend":"nccl"}']
 READY_TIMEOUT_S = 900.0  # a large model from a network filesystem; the tiny one: ~1 min on CPU
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+STOP_GRACE_S = 10.0  # after SIGTERM, what the server's group has before SIGKILL
+KILL_WAIT_S = 5.0  # after SIGKILL, how long `stop` waits for the group to be gone
+STOP_POLL_S = 0.2
+WATCH = "bapo_cli.rollout.serve_watch"  # the process between bapo serve and the server
 
 
 class ServeError(RuntimeError):
@@ -175,65 +187,78 @@ def url_for(host: str, port: int) -> str:
     return f"http://{shown}:{port}"
 
 
-def start(
-    cmd: Sequence[str], env: dict[str, str], *, log: Path | None = None, new_session: bool = False
-) -> subprocess.Popen:
-    """Start the server; its output goes to `log` (appended) or to this process's."""
+def start(cmd: Sequence[str], env: dict[str, str], *, log: Path | None = None) -> subprocess.Popen:
+    """Start the server behind its watch (`serve_watch`: the leader of a new session and process
+    group, the server its child); the watch is returned. Its output goes to `log` (appended) or
+    to this process's. When this process dies, however, the watch stops the whole group."""
+    watch = [sys.executable, "-m", WATCH, str(os.getpid()), str(STOP_GRACE_S), "--", *cmd]
     out = open(log, "ab") if log is not None else None  # noqa: SIM115  (the child holds it)
     try:
         return subprocess.Popen(
-            list(cmd),
+            watch,
             env=env,
+            stdin=subprocess.DEVNULL,
             stdout=out,
             stderr=subprocess.STDOUT if out is not None else None,
-            start_new_session=new_session,
+            start_new_session=True,  # no terminal signal reaches it: this process stops it
         )
     finally:
         if out is not None:
             out.close()
 
 
-def wait_ready(url: str, proc: subprocess.Popen | None, timeout_s: float) -> float:
+def wait_ready(
+    url: str,
+    proc: subprocess.Popen | None,
+    timeout_s: float,
+    stopped: Callable[[], object] = lambda: False,
+) -> float:
     """Wait until `GET url/health` answers 200; the seconds it took. ServeError if the process
-    exits first or the time runs out."""
+    exits first or the time runs out; returns early, with the seconds so far, once `stopped()`
+    is true (the caller knows why)."""
     t0 = time.monotonic()
-    while True:
+    while not stopped():
         if proc is not None and proc.poll() is not None:
-            raise ServeError(f"the server for {url} exited with code {proc.returncode}")
+            raise ServeError(f"the server for {url} exited with code {exit_code(proc)}")
         with contextlib.suppress(OSError, urllib.error.URLError):
             opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
             with opener.open(url + "/health", timeout=2) as r:
                 if r.status == 200:
-                    return time.monotonic() - t0
+                    break
         if time.monotonic() - t0 > timeout_s:
             raise ServeError(f"the server for {url} did not answer within {timeout_s:.0f} s")
         time.sleep(READY_POLL_S)
+    return time.monotonic() - t0
 
 
-def stop(proc: subprocess.Popen, wait_s: float = 15.0) -> None:
-    """SIGTERM the server (its process group when it has one of its own), then SIGKILL."""
-    if proc.poll() is not None:
-        return
-    group = _own_group(proc)
-    for sig in (signal.SIGTERM, signal.SIGKILL):
+def stop(proc: subprocess.Popen, grace_s: float = STOP_GRACE_S) -> None:
+    """Stop the server's whole process group (`start`: the watch leads it): SIGTERM, then SIGKILL
+    to whatever of it is left after `grace_s`; returns once none of it is left (the watch reaped).
+    vLLM does not act on a SIGTERM while its model loads (docs/faults.md), so a server stopped
+    then takes the whole grace."""
+    for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, KILL_WAIT_S)):
         with contextlib.suppress(ProcessLookupError):
-            if group:
-                os.killpg(proc.pid, sig)
-            else:
-                proc.send_signal(sig)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(timeout=wait_s)
-            break
-    if group:  # vLLM's engine process may outlive the API server by a moment
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
+            os.killpg(proc.pid, sig)
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline:
+            proc.poll()  # reap the leader: a zombie keeps the group alive
+            if not _group_alive(proc.pid):
+                return
+            time.sleep(STOP_POLL_S)
 
 
-def _own_group(proc: subprocess.Popen) -> bool:
+def _group_alive(pgid: int) -> bool:
     try:
-        return os.getpgid(proc.pid) == proc.pid
+        os.killpg(pgid, 0)
     except ProcessLookupError:
         return False
+    return True
+
+
+def exit_code(proc: subprocess.Popen) -> int:
+    """The process's exit code as a shell reports it: 128 + N when signal N ended it."""
+    code = proc.returncode
+    return code if code >= 0 else 128 - code
 
 
 def check_port_free(host: str, port: int) -> None:
@@ -254,8 +279,9 @@ def plan(
     cfg: Any, *, port: int, host: str, weights: str = "filesystem"
 ) -> tuple[ServerSpec, list[str], dict[str, str], str]:
     """(spec, argv, environment, URL) of a server for the run `cfg`, after the checks that need
-    no model: vLLM installed, the port free, a model vLLM can load, NCCL weights only on a GPU.
-    The tiny model is built here if its cache lacks it (seconds)."""
+    no server: vLLM installed, the port free, a model vLLM can load (its directory, config,
+    tokenizer and weight files; not a LoRA checkpoint), NCCL weights only on a GPU. The tiny
+    model is built here if its cache lacks it (seconds)."""
     if weights not in WEIGHTS:
         raise ServeError(f"--weights {weights}: one of {' | '.join(WEIGHTS)}")
     if importlib.util.find_spec("vllm") is None:
@@ -270,16 +296,61 @@ def plan(
             f"model.path={source}: a LoRA checkpoint, which vLLM does not load; merge it first "
             f"(bapo merge-lora {source} OUT) and serve the merged directory"
         )
+    models.check_servable(source, trust_remote_code=bool(cfg.model.trust_remote_code))
     on_cuda = device_is_cuda(cfg.model.device)
     if weights == "nccl" and not on_cuda:
         raise ServeError(
             "--weights nccl needs the server on a GPU (model.device=cuda): off CUDA vLLM's NCCL "
             "weight transfer reports success and moves nothing; use --weights filesystem"
         )
+    try:
+        token = server_auth.checked_token()
+    except server_auth.TokenError as err:
+        raise ServeError(str(err)) from None
     spec = ServerSpec.from_config(cfg, source, on_cuda)
     extra = NCCL_FLAGS if weights == "nccl" else []
+    if token is not None:  # every route but /health needs it (vLLM's --api-key leaves the dev ones)
+        extra = [*extra, "--middleware", server_auth.MIDDLEWARE]
     cmd = server_command(spec, port=port, host=host, extra=extra)
     return spec, cmd, server_env(on_cuda), url_for(host, port)
+
+
+class Stopped(BaseException):
+    """A stop signal (SIGTERM, SIGINT, SIGHUP) before the server started: nothing to stop; `bapo
+    serve` exits 128 + signum. A BaseException, so that no `except Exception` on the way (the
+    config, the tiny model's build) takes it for an error."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+class StopSignals:
+    """SIGTERM, SIGINT (Ctrl-C) and SIGHUP (a closed terminal or ssh session) for the life of
+    `bapo serve`, all handled alike. Until the server starts each raises `Stopped` (the checks
+    before it end where they are); from `hold()` on, just before the start, each is only noted in
+    `received`, and the loops that wait on the server look at it, so that no signal cuts the
+    start or the stop of the server half way (a server started but not yet known to this process
+    would be left running)."""
+
+    def __enter__(self) -> StopSignals:
+        self.received: list[int] = []
+        self.previous = {s: signal.signal(s, self._raise) for s in STOP_SIGNALS}
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
+
+    def hold(self) -> None:
+        for sig in STOP_SIGNALS:
+            signal.signal(sig, self._note)
+
+    def _raise(self, signum: int, _frame: Any) -> None:
+        raise Stopped(signum)
+
+    def _note(self, signum: int, _frame: Any) -> None:
+        self.received.append(signum)
 
 
 def run(
@@ -289,33 +360,41 @@ def run(
     host: str,
     print_only: bool,
     say: Callable[[str], None],
+    signals: StopSignals,
     ready_timeout_s: float = READY_TIMEOUT_S,
     weights: str = "filesystem",
 ) -> int:
-    """`bapo serve`: start the server, say its URL once it answers, run until it exits or this
-    process is stopped (SIGINT, SIGTERM: the server is stopped with it); its exit code."""
+    """`bapo serve`: start the server, say its URL once it answers, run until it exits or a stop
+    signal comes (`signals`, entered by the caller); then the whole server is stopped (`stop`).
+    The exit code is the server's, or 128 + the signal that stopped it."""
     spec, cmd, env, url = plan(cfg, port=port, host=host, weights=weights)
     if print_only:
         say(shell_line(cmd, spec.on_cuda))
         return 0
+    token = server_auth.TOKEN_ENV in env and server_auth.MIDDLEWARE in cmd
     if host not in ("127.0.0.1", "localhost", "::1"):
         say(
-            f"warning: --host {host} exposes the weight routes (/collective_rpc, /pause, ...) "
-            "to every machine that reaches this port; use it on a trusted network only"
+            f"warning: --host {host} exposes the server to every machine that reaches this port"
+            + (
+                ", its token in clear text (plain HTTP)"
+                if token
+                else f", the weight routes (/collective_rpc, /pause, ...) with no token "
+                f"(set {server_auth.TOKEN_ENV})"
+            )
+            + "; use it on a trusted network only"
         )
-    say(f"bapo serve: starting {spec.served_name} ({spec.model}) on {url}")
+    access = "token required" if token else f"no {server_auth.TOKEN_ENV}: open to local users"
+    say(f"bapo serve: starting {spec.served_name} ({spec.model}) on {url} ({access})")
+    received = signals.received
+    signals.hold()
     proc = start(cmd, env)
-    previous = signal.signal(signal.SIGTERM, _raise_interrupt)
     try:
-        seconds = wait_ready(url, proc, ready_timeout_s)
-        say(f"bapo serve: ready at {url} ({seconds:.0f} s); rollout.servers=[{url}]")
-        return proc.wait()
-    except KeyboardInterrupt:
-        return 130
+        seconds = wait_ready(url, proc, ready_timeout_s, stopped=lambda: received)
+        if not received:
+            say(f"bapo serve: ready at {url} ({seconds:.0f} s); rollout.servers=[{url}]")
+        while not received and proc.poll() is None:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=STOP_POLL_S)
     finally:
-        signal.signal(signal.SIGTERM, previous)
         stop(proc)
-
-
-def _raise_interrupt(signum: int, frame: Any) -> None:
-    raise KeyboardInterrupt
+    return 128 + received[0] if received else exit_code(proc)

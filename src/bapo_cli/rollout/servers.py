@@ -70,7 +70,7 @@ from typing import Any
 
 import torch
 
-from bapo_cli.rollout import weights_fs
+from bapo_cli.rollout import server_auth, weights_fs
 from bapo_cli.rollout.base import (
     FINISH_BUDGET,
     FINISH_LENGTH,
@@ -225,6 +225,8 @@ class ServerPool:
                 url, "POST", "/collective_rpc", {"method": "bapo_model_info"}, CHECK_TIMEOUT_S
             )["results"][0]
         except HTTPStatus as exc:
+            if exc.status == 401:
+                raise ServerError(server_auth.refused(url)) from None
             raise ServerError(
                 f"the server {url} cannot describe its model (HTTP {exc.status} from "
                 "/collective_rpc); start it with `bapo serve`, or run vLLM with "
@@ -497,7 +499,10 @@ def call(url: str, method: str, path: str, body: Any = None, timeout: float = 10
     if method == "POST" and data is None:
         data = b""
     req = urllib.request.Request(
-        url + path, data=data, method=method, headers={"content-type": "application/json"}
+        url + path,
+        data=data,
+        method=method,
+        headers={"content-type": "application/json", **server_auth.bearer()},
     )
     try:
         with _OPENER.open(req, timeout=timeout) as r:
