@@ -186,6 +186,19 @@ def test_a_stalled_server_is_found_by_its_health_and_its_requests_resent() -> No
         )
 
 
+def test_a_fault_ends_the_requests_still_waiting_on_another_server() -> None:
+    """B's answer is refused while A drips: generate returns at once, not after A's 600 s."""
+    with FakeServer() as a, FakeServer() as b:
+        pool = make_pool(a, b, stall_s=0)
+        pool.check()
+        a.routes[GENERATE] = on_generate(lambda f, body: Drip(b"{" + b" " * 9999, every_s=0.05))
+        b.routes[GENERATE] = on_generate(lambda f, body: generation([VOCAB]))
+        t0 = time.monotonic()
+        with pytest.raises(ServerFault, match=f"^{b.url} returned token id {VOCAB}"):
+            within(30, lambda: generate(pool, count=4))
+        assert time.monotonic() - t0 < 5
+
+
 def test_a_slow_server_that_answers_its_health_is_waited_for() -> None:
     """Slow is not stalled: a response that takes longer than several health rounds comes back."""
     with FakeServer() as fake:

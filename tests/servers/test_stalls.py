@@ -31,13 +31,16 @@ def test_a_stopped_server_is_found_stalled_and_its_requests_finish_on_the_other(
     pool = ServerPool(
         fleet.urls, expect=model_identity(fleet.model_dir), health_every_s=1.0, stall_s=3.0
     )
-    pool.check()
+    pool.start(0)  # labelled 0 (a fresh server stamps 'default')
     requests = [Request(prompt_ids=[1, *range(40, 48)], max_tokens=200) for _ in range(16)]
     params = SamplingParams(temperature=1.0, max_tokens=200)
     result: dict = {}
 
     def run() -> None:
-        result["gens"] = pool.generate(requests, params, list(range(16)), ignore_eos=True)
+        try:
+            result["gens"] = pool.generate(requests, params, list(range(16)), ignore_eos=True)
+        except BaseException as exc:  # noqa: BLE001 - raised in the test's thread
+            result["error"] = exc
 
     thread = threading.Thread(target=run, daemon=True)
     thread.start()
@@ -53,6 +56,7 @@ def test_a_stopped_server_is_found_stalled_and_its_requests_finish_on_the_other(
         assert not thread.is_alive(), "generation still waits on the stopped server"
     finally:
         fleet.thaw(1)
+    assert "error" not in result, (result["error"], pool.events)
     gens = result["gens"]
     assert [len(g.token_ids) for g in gens] == [200] * 16
     server = pool.servers[1]

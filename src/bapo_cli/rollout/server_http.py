@@ -7,13 +7,15 @@ how long it waits, whatever the server sends.
 (`ServerFault`): an endless body costs at most the cap. Control routes (health, model info,
 pause, ...) answer in well under a kilobyte: `CONTROL_LIMIT`, 1 MiB. A generate answer is capped
 by what was asked (`generate_limit`): `GENERATE_FIXED` (64 KiB) plus `PER_TOKEN` (1 KiB) per
-prompt token and per token asked for; vLLM's own answers take ~60-90 bytes per token
-(docs/engines.md). An error answer's body is read up to `DETAIL_LIMIT` for the message.
+prompt token and per token asked for (vLLM 0.32 sends ~140 bytes per generated token, ~80 per
+prompt token with log-probs). An error answer's body is read up to `DETAIL_LIMIT` for its
+message.
 
 **Time.** `timeout` is the wall clock of the whole call (connect, send, status, headers, body),
 not a per-read timeout that a server dripping a byte every few seconds renews forever: each read
-waits at most what is left, in slices of `SLICE_S`, so `cancel` (an Event: the pool closed) is
-seen within a slice. Past the deadline, `Unreachable` ("no complete answer within N s").
+waits at most what is left, in slices of `SLICE_S`, so `cancel` (anything with `is_set()`: the
+pool closed, the generation given up) is seen within a slice. Past the deadline, `Unreachable`
+("no complete answer within N s").
 
 **Slow or stalled** (`Watch`). A generation request may rightly run for minutes, so its deadline
 is long (`servers.REQUEST_TIMEOUT_S`); a stopped server (SIGSTOP, a hung host) must not hold it
@@ -37,17 +39,33 @@ import socket
 import threading
 import time
 import urllib.parse
-from typing import Any
+from typing import Any, Protocol
 
 CHECK_TIMEOUT_S = 10.0  # start-up questions and control calls on a healthy server take < 1 s
 CONTROL_LIMIT = 1 << 20  # bytes: a control route's answer (model info, models list, pause, ...)
 DETAIL_LIMIT = 4096  # bytes of an error answer read for its message
 GENERATE_FIXED = 64 << 10  # bytes: a generate answer's envelope (ids, usage, metrics)
-PER_TOKEN = 1 << 10  # bytes per prompt token and per token asked for (vLLM: ~60-90)
+PER_TOKEN = 1 << 10  # bytes per prompt token and per token asked for (vLLM: ~80-140)
 SLICE_S = 0.5  # longest single wait on the socket: how soon `cancel` and the watch are seen
 HEALTH_EVERY_S = 10.0  # a server holding a watched call is asked GET /health this often
 STALL_S = 30.0  # ... and is stalled when it does not answer within this (rollout.server_stall_s)
 CHUNK = 64 << 10
+
+
+class Flag(Protocol):
+    """What `cancel` is asked: a threading.Event, or several read as one (`AnyOf`)."""
+
+    def is_set(self) -> bool: ...
+
+
+class AnyOf:
+    """Set when any of its flags is."""
+
+    def __init__(self, *flags: Flag) -> None:
+        self.flags = flags
+
+    def is_set(self) -> bool:
+        return any(f.is_set() for f in self.flags)
 
 
 class ServerError(RuntimeError):
@@ -97,9 +115,10 @@ class Watch:
         self._failed: dict[str, tuple[float, str]] = {}  # url -> (when a probe began, why)
         self._probing: set[str] = set()
 
-    def check(self, url: str, since: float) -> None:
+    def check(self, url: str, since: float, cancel: Flag | None = None) -> None:
         """For a call to `url` waiting since `since` (monotonic): Stalled if a probe begun
-        after it failed; probe now if one is due; else nothing."""
+        after it failed; probe now if one is due (given up with the call, `cancel`: a probe
+        given up says nothing); else nothing."""
         now = time.monotonic()
         with self._lock:
             failed = self._failed.get(url)
@@ -110,7 +129,11 @@ class Watch:
                 return
             self._probing.add(url)
         try:
-            call(url, "GET", "/health", None, self.stall_s)
+            call(url, "GET", "/health", None, self.stall_s, cancel=cancel)
+        except Cancelled:
+            with self._lock:
+                self._probing.discard(url)
+            raise
         except ServerError as exc:
             why = f"stalled: no answer to GET /health within {self.stall_s:g} s ({exc})"
             with self._lock:
@@ -125,9 +148,7 @@ class Watch:
 class _Clock:
     """One call's deadline, cancel event and watch, asked before every wait on the socket."""
 
-    def __init__(
-        self, url: str, timeout: float, cancel: threading.Event | None, watch: Watch | None
-    ) -> None:
+    def __init__(self, url: str, timeout: float, cancel: Flag | None, watch: Watch | None) -> None:
         self.url, self.timeout, self.cancel, self.watch = url, timeout, cancel, watch
         self.started = time.monotonic()
         self.deadline = self.started + timeout
@@ -140,7 +161,7 @@ class _Clock:
         if left <= 0:
             raise Unreachable(f"no complete answer within {self.timeout:g} s")
         if self.watch is not None:
-            self.watch.check(self.url, self.started)
+            self.watch.check(self.url, self.started, self.cancel)
         return left
 
 
@@ -198,7 +219,7 @@ def call(
     timeout: float = CHECK_TIMEOUT_S,
     *,
     limit: int = CONTROL_LIMIT,
-    cancel: threading.Event | None = None,
+    cancel: Flag | None = None,
     watch: Watch | None = None,
 ) -> Any:
     """One JSON request; the decoded answer ({} when empty). Within `timeout` seconds all told

@@ -96,6 +96,7 @@ from bapo_cli.rollout.server_http import (
     CHECK_TIMEOUT_S,
     HEALTH_EVERY_S,
     STALL_S,
+    AnyOf,
     Cancelled,
     HTTPStatus,
     ServerError,
@@ -331,6 +332,8 @@ class ServerPool:
         aborts: Counter[int] = Counter()
         workers = max(1, self.max_in_flight * len(self.servers))
         ex = ThreadPoolExecutor(max_workers=min(workers, 256), thread_name_prefix="bapo-gen")
+        given_up = threading.Event()  # set on the way out: requests still waiting end at once
+        cancel = AnyOf(self.closed, given_up)
         try:
             while todo or running:
                 if self.closed.is_set():
@@ -351,7 +354,7 @@ class ServerPool:
                         body,
                         self.request_timeout_s,
                         limit=generate_limit(len(body["token_ids"]), requests[i].max_tokens),
-                        cancel=self.closed,
+                        cancel=cancel,
                         watch=self.watch,
                     )
                     running[future] = (i, server)
@@ -396,8 +399,9 @@ class ServerPool:
                         raise RuntimeError(f"request {i} answered twice")
                     out[i] = gen
                     server.completed += 1
-        finally:  # closed: do not wait for answers nobody will read
-            ex.shutdown(wait=not self.closed.is_set(), cancel_futures=True)
+        finally:  # a fault, an error or close(): answers nobody will read end within a slice
+            given_up.set()
+            ex.shutdown(wait=True, cancel_futures=True)
         return [g for g in out if g is not None]
 
     @property
