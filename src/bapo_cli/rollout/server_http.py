@@ -25,7 +25,7 @@ whatever the engine is doing, so a server that does not answer within `stall_s` 
 every call to it waiting since before that probe raises `Stalled` (an `Unreachable`: the pool
 marks the server down and re-sends its requests whole to the others).
 
-Errors, each one line naming the URL: `Unreachable` (refused, reset, no answer in time, stalled),
+Errors, each one line: `Unreachable` (refused, reset; `TooLate`: no answer in time; `Stalled`),
 `HTTPStatus` (an error status), `ServerFault` (an answer no healthy server sends: over the cap,
 not JSON; the pool adds wrong shapes and values), `Cancelled` (`cancel` was set).
 """
@@ -74,6 +74,10 @@ class ServerError(RuntimeError):
 
 class Unreachable(ServerError):
     """The connection failed: refused, reset, no complete answer in time."""
+
+
+class TooLate(Unreachable):
+    """The call's deadline passed before its answer was complete."""
 
 
 class Stalled(Unreachable):
@@ -135,7 +139,8 @@ class Watch:
                 self._probing.discard(url)
             raise
         except ServerError as exc:
-            why = f"stalled: no answer to GET /health within {self.stall_s:g} s ({exc})"
+            detail = "" if isinstance(exc, TooLate) else f" ({exc})"
+            why = f"stalled: no answer to GET /health within {self.stall_s:g} s{detail}"
             with self._lock:
                 self._failed[url] = (now, why)
                 self._probing.discard(url)
@@ -159,7 +164,7 @@ class _Clock:
             raise Cancelled(f"{self.url}: the request was cancelled")
         left = self.deadline - time.monotonic()
         if left <= 0:
-            raise Unreachable(f"no complete answer within {self.timeout:g} s")
+            raise TooLate(f"no complete answer within {self.timeout:g} s")
         if self.watch is not None:
             self.watch.check(self.url, self.started, self.cancel)
         return left
