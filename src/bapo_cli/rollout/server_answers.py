@@ -1,5 +1,6 @@
-"""What a generation server's answers mean, checked: the model it serves (`ModelIdentity`),
-a generated response (`served`), the weights version of each token (`token_versions`).
+"""What a generation server is asked and what its answers mean, checked: the model it serves
+(`ModelIdentity`), the generate route's request (`generate_body`) and response (`served`), the
+weights version of each token (`token_versions`).
 
 Every answer is checked before anything of it is used; what no healthy vLLM server sends is a
 `ServerFault`, one line naming the server and what is allowed:
@@ -19,11 +20,19 @@ the pool sends it again (`rollout.servers`), never trained as if cut at the leng
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bapo_cli.rollout.base import FINISH_BUDGET, FINISH_LENGTH, FINISH_STOP, Generation
+from bapo_cli.rollout.base import (
+    FINISH_BUDGET,
+    FINISH_LENGTH,
+    FINISH_STOP,
+    Generation,
+    Request,
+    SamplingParams,
+)
 from bapo_cli.rollout.server_http import ServerError, ServerFault
 
 # a log-prob above 0 is a probability above 1; vLLM computes them in float32, where log_softmax
@@ -89,6 +98,31 @@ class ServedGeneration(Generation):
 def short(value: Any, width: int = 120) -> str:
     text = repr(value)
     return text if len(text) <= width else text[: width - 3] + "..."
+
+
+def generate_body(
+    req: Request, params: SamplingParams, seed: int, eos_ids: Sequence[int], ignore_eos: bool
+) -> dict[str, Any]:
+    """The request for one sample: prompt + partial response as ids, the run's sampling."""
+    sampling: dict[str, Any] = {
+        "n": 1,
+        "temperature": params.temperature,
+        "top_p": params.top_p,
+        "top_k": params.top_k if params.top_k > 0 else -1,
+        "max_tokens": req.max_tokens,
+        "stop_token_ids": list(eos_ids),
+        "logprobs": 0,  # the sampled token's own log-prob (and none other)
+        "seed": seed,
+        "detokenize": bool(params.stop),  # stop strings are matched on text
+    }
+    if params.stop:
+        sampling["stop"] = list(params.stop)
+    if ignore_eos:
+        sampling.update(ignore_eos=True, stop_token_ids=[])
+    return {
+        "token_ids": list(req.prompt_ids) + list(req.prefix_ids),
+        "sampling_params": sampling,
+    }
 
 
 def first_choice(answer: Any, url: str) -> dict[str, Any]:

@@ -101,6 +101,25 @@ class HTTPStatus(ServerError):
         self.status = status
 
 
+def validate_url(url: str) -> str:
+    """A server URL as given (`http://host:port`: no path, query, fragment or user:password@);
+    ServerError if it is not one (the config rules, `config.servers.check_url`, say why)."""
+    parsed = urllib.parse.urlsplit(url)
+    if (
+        parsed.scheme not in ("http", "https")
+        or not parsed.hostname
+        or parsed.path not in ("", "/")
+        or "?" in url
+        or "#" in url
+        or "@" in parsed.netloc
+    ):
+        raise ServerError(
+            f"rollout.servers: {url!r} is not a server URL; give http://HOST:PORT (as printed by "
+            "`bapo serve`)"
+        )
+    return url.rstrip("/")
+
+
 def generate_limit(prompt_tokens: int, max_tokens: int) -> int:
     """The byte cap of a generate answer: the envelope plus `PER_TOKEN` per token (module
     docstring); prompt tokens count too (vLLM may echo them, with log-probs when asked)."""

@@ -69,7 +69,6 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-import urllib.parse
 from collections import Counter, deque
 from collections.abc import Iterable, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
@@ -87,6 +86,7 @@ from bapo_cli.rollout.server_answers import (
     ModelIdentity,
     ServedGeneration,
     first_choice,
+    generate_body,
     model_identity,
     served,
     short,
@@ -105,6 +105,7 @@ from bapo_cli.rollout.server_http import (
     Watch,
     call,
     generate_limit,
+    validate_url,
 )
 
 __all__ = [  # rollout.servers is where the rest of the project finds these
@@ -117,6 +118,7 @@ __all__ = [  # rollout.servers is where the rest of the project finds these
     "Unreachable",
     "call",
     "model_identity",
+    "validate_url",
 ]
 
 GENERATE = "/inference/v1/generate"
@@ -147,25 +149,6 @@ class Server:
     next_probe: float = 0.0
     last_error: str = ""
     vocab_size: int | None = None  # what it said at its check (token ids are below it)
-
-
-def validate_url(url: str) -> str:
-    """A server URL as given (`http://host:port`: no path, query, fragment or user:password@);
-    ServerError if it is not one (the config rules, `config.servers.check_url`, say why)."""
-    parsed = urllib.parse.urlsplit(url)
-    if (
-        parsed.scheme not in ("http", "https")
-        or not parsed.hostname
-        or parsed.path not in ("", "/")
-        or "?" in url
-        or "#" in url
-        or "@" in parsed.netloc
-    ):
-        raise ServerError(
-            f"rollout.servers: {url!r} is not a server URL; give http://HOST:PORT (as printed by "
-            "`bapo serve`)"
-        )
-    return url.rstrip("/")
 
 
 class ServerPool:
@@ -344,7 +327,7 @@ class ServerPool:
                     if server is None:
                         break
                     i = todo.popleft()
-                    body = _generate_body(requests[i], params, seeds[i], eos_ids, ignore_eos)
+                    body = generate_body(requests[i], params, seeds[i], eos_ids, ignore_eos)
                     server.in_flight += 1
                     future = ex.submit(
                         call,
@@ -609,28 +592,3 @@ def _served_window(ask: Any) -> int | None:
     if isinstance(window, int) and not isinstance(window, bool) and window > 0:
         return window
     return None
-
-
-def _generate_body(
-    req: Request, params: SamplingParams, seed: int, eos_ids: Sequence[int], ignore_eos: bool
-) -> dict[str, Any]:
-    """The request for one sample: prompt + partial response as ids, the run's sampling."""
-    sampling: dict[str, Any] = {
-        "n": 1,
-        "temperature": params.temperature,
-        "top_p": params.top_p,
-        "top_k": params.top_k if params.top_k > 0 else -1,
-        "max_tokens": req.max_tokens,
-        "stop_token_ids": list(eos_ids),
-        "logprobs": 0,  # the sampled token's own log-prob (and none other)
-        "seed": seed,
-        "detokenize": bool(params.stop),  # stop strings are matched on text
-    }
-    if params.stop:
-        sampling["stop"] = list(params.stop)
-    if ignore_eos:
-        sampling.update(ignore_eos=True, stop_token_ids=[])
-    return {
-        "token_ids": list(req.prompt_ids) + list(req.prefix_ids),
-        "sampling_params": sampling,
-    }
