@@ -346,6 +346,13 @@ def test_a_server_killed_mid_batch(fleet, policy, tmp_path) -> None:
     fleet.restart(1)
     done_before = victim.completed
     more = [Request(p, (), 8) for p in prompts(tokenizer, 8) for _ in range(4)]
+    # the first call after the restart asks it whether it is back (in a thread of its own: a
+    # server that does not answer must not hold up the others), the next one uses it
+    pool.generate(more, params, request_seeds(len(more), params), EOS)
+    deadline = time.monotonic() + 120
+    while not victim.alive:
+        assert time.monotonic() < deadline, f"not revived: {victim.last_error}"
+        time.sleep(0.1)
     gens = pool.generate(more, params, request_seeds(len(more), params), EOS)
     assert victim.alive and victim.completed > done_before  # used again
     assert pool.events[-1] == f"back {victim.url} at version 1"

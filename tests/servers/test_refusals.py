@@ -62,6 +62,30 @@ URL = "http://127.0.0.1:9"  # a port nothing listens on (discard)
             "`bapo serve` prints it",
         ),
         (
+            [*ASYNC, "rollout.servers=['http://127.0.0.1:8001/?token=x']"]
+            + ["staleness.weights=filesystem"],
+            "rollout.servers=http://127.0.0.1:8001/?token=x: has a query string (?...), which "
+            "no route takes; give http://HOST:PORT, as `bapo serve` prints it, with nothing "
+            "after the port",
+        ),
+        (
+            [*ASYNC, "rollout.servers=['http://127.0.0.1:8001#x']", "staleness.weights=filesystem"],
+            "rollout.servers=http://127.0.0.1:8001#x: has a fragment (#...), which no route "
+            "takes; give http://HOST:PORT, as `bapo serve` prints it, with nothing after the port",
+        ),
+        (
+            [*ASYNC, "rollout.servers=[http://user:pw@127.0.0.1:8001]"]
+            + ["staleness.weights=filesystem"],
+            "rollout.servers=http://user:pw@127.0.0.1:8001: holds credentials (user:password@), "
+            "which the client never sends (they would be read as part of the host name); give "
+            "http://HOST:PORT, as `bapo serve` prints it (it listens on loopback: reach another "
+            "machine's through a private network or an ssh tunnel)",
+        ),
+        (
+            [*ASYNC, f"rollout.servers=[{URL}]", "rollout.server_stall_s=-1"],
+            "rollout.server_stall_s=-1.0: must be >= 0",
+        ),
+        (
             [*ASYNC, "rollout.servers=[http://a:1,http://a:1/]", "staleness.weights=filesystem"],
             "rollout.servers=['http://a:1', 'http://a:1/']: names a server twice; list each once",
         ),
@@ -131,6 +155,10 @@ def test_cuda_async_with_servers_passes_the_config_check() -> None:
 def test_eval_rules_are_one_line() -> None:
     with pytest.raises(PreflightError, match=r"^eval.server=a:1: is not a server URL"):
         preflight("eval", ["eval.server=a:1"])
+    with pytest.raises(PreflightError, match=r"^eval.server=http://a:1\?t=x: has a query string"):
+        preflight("eval", ["eval.server='http://a:1?t=x'"])
+    with pytest.raises(PreflightError, match=r"^eval.server=http://u:p@a:1: holds credentials"):
+        preflight("eval", ["eval.server=http://u:p@a:1"])
     with pytest.raises(PreflightError) as info:
         preflight("eval", [f"rollout.servers=[{URL}]"])
     assert str(info.value) == (

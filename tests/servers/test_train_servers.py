@@ -130,11 +130,13 @@ class HoldAcrossAPush(threading.Thread):
     holds it, server i's pause is waiting: server i is thawed, and the push reaches its
     responses mid-way. If no new version comes within a few steps' time, the trainer was waiting
     for that very unit (generation the slower side, where pushes land mid-response anyway):
-    thawed, and tried again at a later unit. Nothing times out while a server is frozen
-    (requests wait 600 s). The thread must see the moments it acts on as they happen, which a
-    starved process does not: with the test at nice 10 beside two busy loops at nice 0 (CI's
-    two passes, at their worst) 2 runs of 4 had no response spanning versions, so the test is
-    marked `quiet` (CI runs it once the first pass is done)."""
+    thawed, and tried again at a later unit. Nothing times out while a server is frozen: the
+    run sets `rollout.server_stall_s=0` (requests wait their 600 s; a freeze may outlast the
+    30 s default, after which the server would be marked down: tests/servers/test_stalls.py).
+    The thread must see the moments it acts on as they happen, which a starved process does not:
+    with the test at nice 10 beside two busy loops at nice 0 (CI's two passes, at their worst) 2
+    runs of 4 had no response spanning versions, so the test is marked `quiet` (CI runs it once
+    the first pass is done)."""
 
     FRACTION = 0.1  # of a unit's CPU time on server i, let run before the freeze
     UNIT_OPEN = PROMPTS * N // 4  # open requests that mark a unit (half its share of a server's)
@@ -240,6 +242,7 @@ def test_async_on_two_servers(fleet, tmp_path, interrupt) -> None:
             *FAST,
             *task,
             *servers_args(fleet, f"staleness={k}", f"staleness.interrupt={interrupt}"),
+            "rollout.server_stall_s=0",  # HoldAcrossAPush's freezes are not stalls
             f"trainer.max_steps={steps}",
             "trainer.save_every=1",
         ],

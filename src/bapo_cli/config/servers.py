@@ -41,11 +41,27 @@ URL_FORM = "give http://HOST:PORT, as `bapo serve` prints it"
 
 
 def check_url(key: str, url: Any) -> None:
-    """A server URL: http(s)://host:port with no path."""
-    parsed = urllib.parse.urlsplit(str(url))
+    """A server URL: http(s)://host:port with no path, query, fragment or credentials (the client
+    would send none of them: a query or fragment would be glued into every route's path, and
+    user:password@ would be read as part of the host name)."""
+    text = str(url)
+    parsed = urllib.parse.urlsplit(text)
     bad = parsed.scheme not in ("http", "https") or parsed.path not in ("", "/")
     if bad or not parsed.hostname:
         raise ConfigError(key, url, f"is not a server URL; {URL_FORM}")
+    if "@" in parsed.netloc:
+        raise ConfigError(
+            key,
+            url,
+            "holds credentials (user:password@), which the client never sends (they would be "
+            f"read as part of the host name); {URL_FORM} (it listens on loopback: reach another "
+            "machine's through a private network or an ssh tunnel)",
+        )
+    if "?" in text or "#" in text:
+        what = "a query string (?...)" if "?" in text else "a fragment (#...)"
+        raise ConfigError(
+            key, url, f"has {what}, which no route takes; {URL_FORM}, with nothing after the port"
+        )
     try:
         parsed.port  # noqa: B018  (raises on a port that is not a number)
     except ValueError:

@@ -29,11 +29,21 @@ from bapo_cli.rollout.base import eos_ids
 from bapo_cli.rollout.server_engine import ServerEngine
 from bapo_cli.rollout.servers import ServerPool, model_identity
 
+# a server paused this long is refused (a push pauses it for seconds; one left paused by a
+# trainer killed mid-push would never answer): docs/evaluation.md
+PAUSED_WAIT_S = 10.0
+
 
 def _pool(cfg: Any) -> ServerPool:
     source = models.model_dir(cfg.model)
     identity = model_identity(source, trust_remote_code=bool(cfg.model.trust_remote_code))
-    return ServerPool([cfg.eval.server], expect=identity, max_model_len=cfg.model.max_model_len)
+    return ServerPool(
+        [cfg.eval.server],
+        expect=identity,
+        max_model_len=cfg.model.max_model_len,
+        stall_s=float(cfg.rollout.server_stall_s),
+        wait_paused_s=PAUSED_WAIT_S,  # this pool never pushes, so never resumes the server
+    )
 
 
 def preflight(cfg: Any) -> None:

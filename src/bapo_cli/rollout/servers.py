@@ -19,12 +19,24 @@ Spreading: each request goes to the live server with the fewest requests in flig
 `max_in_flight` each); vLLM batches what a server holds. One request per sample, each with its
 own seed, so the n samples of a prompt may land on different servers.
 
-Failures. A server whose connection fails (refused, reset, timed out) or that answers 5xx is
-marked down; every request it held is sent again, whole, to the others (its partial tokens were
-never returned, so nothing reaches the trainer twice: each request has exactly one result, from
-the one server that completed it). With no server left, `ServerError`. A server that is down is
-asked `GET /health` every `revive_s`; once it answers, it is checked again (same model) and given
+Failures. A server whose connection fails (refused, reset, no complete answer within
+`request_timeout_s`), that answers 5xx, or that stalls (it holds requests and does not answer
+`GET /health` within `stall_s`: `server_http.Watch`) is marked down; every request it held is
+sent again, whole, to the others (its partial tokens were never returned, so nothing reaches the
+trainer twice: each request has exactly one result, from the one server that completed it). A
+response vLLM aborted (`finish_reason` abort: someone paused the server with `mode=abort`) is
+sent again too, at most `MAX_ABORTS` times. With no server left, `NoServerLeft`. A server that
+is down is asked `GET /health` every `revive_s` (in a thread of its own: a stalled server does
+not hold up the others' answers); once it answers, it is checked again (same model) and given
 the newest weights version before it takes requests.
+
+An answer no healthy server sends is a `ServerFault` that ends the call, one line naming the
+server and what is allowed (`_served`): more tokens than asked, ids outside the vocabulary, a
+log-prob that is not finite or above `LOGPROB_SLACK`, a version newer than the newest pushed,
+wrong shapes. Not re-sent: the fault is the server's own, would repeat (its peers were started
+the same way) and a revived server passes the start-up check again, so a re-send would hide it
+and cycle; nothing of it is trained. Bytes and wall-clock bounds of every call:
+`rollout.server_http`.
 
 Weights (`publish`, the filesystem transport): the trainer writes the version under
 `weights_dir` (`weights_fs.write_version`, atomic), then every live server, in parallel:
@@ -48,20 +60,16 @@ returning: vLLM's NCCL path answers success off CUDA and moves nothing.
 
 Start-up (`check`): every URL answers; its model has the run's architecture and vocabulary size
 (asked through the worker extension); its context window holds the run's; the generate route is
-on. Each refusal is one line naming the URL and what to do.
+on; with `wait_paused_s` (bapo eval, which never pushes), it is not left paused. Each question
+within `check_timeout_s`, each refusal one line naming the URL and what to do.
 """
 
 from __future__ import annotations
 
 import contextlib
-import http.client
-import json
 import threading
 import time
-import urllib.error
-import urllib.parse
-import urllib.request
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Iterable, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
@@ -71,30 +79,55 @@ from typing import Any
 import torch
 
 from bapo_cli.rollout import server_auth, weights_fs
-from bapo_cli.rollout.base import (
-    FINISH_BUDGET,
-    FINISH_LENGTH,
-    FINISH_STOP,
-    Generation,
-    Request,
-    SamplingParams,
-)
+from bapo_cli.rollout.base import Request, SamplingParams
 from bapo_cli.rollout.serve import EXTENSION
+from bapo_cli.rollout.server_answers import (
+    Aborted,
+    ModelIdentity,
+    ServedGeneration,
+    first_choice,
+    generate_body,
+    model_identity,
+    served,
+    short,
+    token_versions,
+)
+from bapo_cli.rollout.server_http import (
+    CHECK_TIMEOUT_S,
+    HEALTH_EVERY_S,
+    STALL_S,
+    AnyOf,
+    Cancelled,
+    HTTPStatus,
+    ServerError,
+    ServerFault,
+    Unreachable,
+    Watch,
+    call,
+    generate_limit,
+    validate_url,
+)
+
+__all__ = [  # rollout.servers is where the rest of the project finds these
+    "CHECK_TIMEOUT_S",
+    "HTTPStatus",
+    "ModelIdentity",
+    "ServedGeneration",
+    "ServerError",
+    "ServerFault",
+    "Unreachable",
+    "call",
+    "model_identity",
+    "validate_url",
+]
 
 GENERATE = "/inference/v1/generate"
-CHECK_TIMEOUT_S = 10.0  # start-up questions and weight pushes on a healthy server take < 1 s
-REQUEST_TIMEOUT_S = 600.0  # one response; a server silent this long is treated as dead
+REQUEST_TIMEOUT_S = 600.0  # one response, all told (a healthy server's longest)
 PUSH_TIMEOUT_S = 600.0  # a reload of a large model from a network filesystem
+CLOSE_TIMEOUT_S = 2.0  # close(): each abort/resume call; a run's stop must not wait on a server
 REVIVE_S = 2.0  # how often a down server is asked whether it is back
 POLL_S = 0.2
-
-
-class ServerError(RuntimeError):
-    """A generation server that cannot be used (or none left); `str()` is one line."""
-
-
-class Unreachable(ServerError):
-    """The connection failed: refused, reset, timed out."""
+MAX_ABORTS = 3  # a request vLLM aborted this many times: the server is refused, not asked again
 
 
 class NoServerLeft(ServerError):
@@ -103,26 +136,6 @@ class NoServerLeft(ServerError):
 
 class PoolClosed(ServerError):
     """`close()` was called while requests were waiting: their answers are not wanted."""
-
-
-@dataclass(frozen=True)
-class ModelIdentity:
-    """What must match between the run's model and a server's: architecture and vocabulary."""
-
-    architectures: tuple[str, ...]
-    vocab_size: int
-
-    def describe(self) -> str:
-        return f"{'/'.join(self.architectures) or 'unknown architecture'}, vocab {self.vocab_size}"
-
-
-def model_identity(source: Path | str, trust_remote_code: bool = False) -> ModelIdentity:
-    """The run's model identity from its config (no weights loaded)."""
-    from transformers import AutoConfig
-
-    cfg = AutoConfig.from_pretrained(str(source), trust_remote_code=trust_remote_code)
-    text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
-    return ModelIdentity(tuple(cfg.architectures or ()), int(text.vocab_size))
 
 
 @dataclass
@@ -135,28 +148,7 @@ class Server:
     resent: int = 0  # requests taken from it when it went down
     next_probe: float = 0.0
     last_error: str = ""
-
-
-@dataclass
-class ServedGeneration(Generation):
-    """A Generation (with the version of each token) and the server that made it."""
-
-    server: str = ""
-
-
-def validate_url(url: str) -> str:
-    """A server URL as given (`http://host:port`, no path); ServerError if it is not one."""
-    parsed = urllib.parse.urlsplit(url)
-    if (
-        parsed.scheme not in ("http", "https")
-        or not parsed.hostname
-        or parsed.path not in ("", "/")
-    ):
-        raise ServerError(
-            f"rollout.servers: {url!r} is not a server URL; give http://HOST:PORT (as printed by "
-            "`bapo serve`)"
-        )
-    return url.rstrip("/")
+    vocab_size: int | None = None  # what it said at its check (token ids are below it)
 
 
 class ServerPool:
@@ -172,6 +164,10 @@ class ServerPool:
         max_in_flight: int = 128,
         request_timeout_s: float = REQUEST_TIMEOUT_S,
         revive_s: float = REVIVE_S,
+        check_timeout_s: float = CHECK_TIMEOUT_S,
+        stall_s: float = STALL_S,
+        health_every_s: float = HEALTH_EVERY_S,
+        wait_paused_s: float | None = None,
     ) -> None:
         if not urls:
             raise ServerError("rollout.servers is empty; give one URL or more (bapo serve)")
@@ -185,7 +181,16 @@ class ServerPool:
         self.max_in_flight = max_in_flight
         self.request_timeout_s = request_timeout_s
         self.revive_s = revive_s
+        self.check_timeout_s = check_timeout_s
+        # slow or stalled: a busy server's health, asked while its requests and pushes wait
+        # (server_http.Watch); stall_s 0: never asked, a request waits its whole timeout
+        self.watch = Watch(health_every_s, stall_s) if stall_s > 0 else None
+        # None: a paused server is fine (this pool's pushes resume it); seconds: a server still
+        # paused after that long is refused at its check (bapo eval, which never pushes)
+        self.wait_paused_s = wait_paused_s
+        self._reviving: set[str] = set()  # down servers asked in a thread of their own now
         self.version = 0  # the newest version published (what a server that comes back gets)
+        self.pushed = False  # whether this pool pushed weights (then it knows the newest version)
         self.published: Path | None = None  # its directory
         # pushes and revivals change which weights a server holds: one at a time (a revival
         # must not load an older version while a push from another thread loads the newest)
@@ -209,21 +214,31 @@ class ServerPool:
         """Every server answers and serves the run's model; ServerError (one line) otherwise."""
         for server in self.servers:
             self._check_one(server)
+            if self.wait_paused_s is not None:
+                self._refuse_paused(server, self.wait_paused_s)
             server.alive = True
 
     def _check_one(self, server: Server) -> None:
         url = server.url
+
+        def ask(method: str, path: str, body: Any = None) -> Any:
+            try:
+                return call(url, method, path, body, self.check_timeout_s)
+            except (Unreachable, ServerFault) as exc:
+                raise ServerError(
+                    f"the generation server {url} failed its check at {method} {path} ({exc}); "
+                    "restart it with `bapo serve` or drop it from rollout.servers"
+                ) from None
+
         try:
-            call(url, "GET", "/health", timeout=CHECK_TIMEOUT_S)
-        except Unreachable as exc:
+            call(url, "GET", "/health", None, self.check_timeout_s)
+        except (Unreachable, ServerFault, HTTPStatus) as exc:
             raise ServerError(
                 f"cannot reach the generation server {url} ({exc}); start one there with "
                 "`bapo serve --port PORT` or fix rollout.servers"
             ) from None
         try:
-            info = call(
-                url, "POST", "/collective_rpc", {"method": "bapo_model_info"}, CHECK_TIMEOUT_S
-            )["results"][0]
+            answer = ask("POST", "/collective_rpc", {"method": "bapo_model_info"})
         except HTTPStatus as exc:
             if exc.status == 401:
                 raise ServerError(server_auth.refused(url)) from None
@@ -232,15 +247,16 @@ class ServerPool:
                 "/collective_rpc); start it with `bapo serve`, or run vLLM with "
                 f"VLLM_SERVER_DEV_MODE=1 and --worker-extension-cls {EXTENSION}"
             ) from None
-        served = ModelIdentity(tuple(info["architectures"]), int(info["vocab_size"]))
-        if self.expect is not None and served != self.expect:
+        identity = ModelIdentity.served(url, answer)
+        if self.expect is not None and identity != self.expect:
             raise ServerError(
-                f"the server {url} serves another model ({served.describe()}) than the run's "
+                f"the server {url} serves another model ({identity.describe()}) than the run's "
                 f"({self.expect.describe()}); start it for this run's model (bapo serve with the "
                 "same model overrides)"
             )
+        server.vocab_size = identity.vocab_size
         if self.max_model_len is not None:
-            window = _served_window(url)
+            window = _served_window(ask)
             if window is not None and window < self.max_model_len:
                 raise ServerError(
                     f"the server {url} holds {window} tokens per sequence, less than the run's "
@@ -248,13 +264,35 @@ class ServerPool:
                     f"--max-model-len {self.max_model_len} or lower the run's"
                 )
         try:  # an empty body: 400/422 when the route is on, 403 (or 404) when it is off
-            call(url, "POST", GENERATE, {}, CHECK_TIMEOUT_S)
+            ask("POST", GENERATE, {})
         except HTTPStatus as exc:
             if exc.status in (403, 404):
                 raise ServerError(
                     f"the server {url} does not offer {GENERATE} (HTTP {exc.status}); start it "
                     "with `bapo serve`, or run vLLM with --enable-scale-out"
                 ) from None
+
+    def _refuse_paused(self, server: Server, wait_s: float) -> None:
+        """ServerError if the server stays paused for `wait_s` (a push takes seconds): what it is
+        asked would wait for a resume that may never come (a trainer killed mid-push). Refused,
+        not resumed: a live run may be pushing to it, and a resume mid-reload would let its
+        requests run on half-loaded weights. A server without the dev routes cannot be asked."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                answer = call(server.url, "GET", "/is_paused", None, self.check_timeout_s)
+            except HTTPStatus:
+                return
+            if not (isinstance(answer, dict) and answer.get("is_paused") is True):
+                return
+            if time.monotonic() >= deadline:
+                raise ServerError(
+                    f"the generation server {server.url} is paused and stayed paused for "
+                    f"{wait_s:g} s (a weight push that never finished: its trainer stopped "
+                    "mid-push?), so it would answer nothing; if no run uses it, resume it with "
+                    f"`curl -X POST {server.url}/resume` and run again"
+                )
+            time.sleep(min(POLL_S * 5, wait_s))
 
     # ---------------------------------------------------------------------------- generation
 
@@ -276,8 +314,11 @@ class ServerPool:
         out: list[ServedGeneration | None] = [None] * len(requests)
         todo: deque[int] = deque(range(len(requests)))
         running: dict[Future, tuple[int, Server]] = {}
+        aborts: Counter[int] = Counter()
         workers = max(1, self.max_in_flight * len(self.servers))
         ex = ThreadPoolExecutor(max_workers=min(workers, 256), thread_name_prefix="bapo-gen")
+        given_up = threading.Event()  # set on the way out: requests still waiting end at once
+        cancel = AnyOf(self.closed, given_up)
         try:
             while todo or running:
                 if self.closed.is_set():
@@ -288,23 +329,46 @@ class ServerPool:
                     if server is None:
                         break
                     i = todo.popleft()
-                    body = _generate_body(requests[i], params, seeds[i], eos_ids, ignore_eos)
+                    body = generate_body(requests[i], params, seeds[i], eos_ids, ignore_eos)
                     server.in_flight += 1
                     future = ex.submit(
-                        call, server.url, "POST", GENERATE, body, self.request_timeout_s
+                        call,
+                        server.url,
+                        "POST",
+                        GENERATE,
+                        body,
+                        self.request_timeout_s,
+                        limit=generate_limit(len(body["token_ids"]), requests[i].max_tokens),
+                        cancel=cancel,
+                        watch=self.watch,
                     )
                     running[future] = (i, server)
                 if not running:
-                    if not any(s.alive for s in self.servers):
+                    if not any(s.alive for s in self.servers) and not self._reviving:
                         self._all_down()
-                    time.sleep(POLL_S)  # every live server is full: cannot happen, but wait
+                    time.sleep(POLL_S)  # every live server is full, or one is being revived
                     continue
                 done, _ = wait(list(running), timeout=self.revive_s, return_when=FIRST_COMPLETED)
                 for future in done:
                     i, server = running.pop(future)
                     server.in_flight -= 1
                     try:
-                        answer = future.result()
+                        gen = served(
+                            future.result(),
+                            requests[i].max_tokens,
+                            server.url,
+                            server.vocab_size,
+                            self.newest_version,
+                        )
+                    except Cancelled:
+                        raise PoolClosed("the server pool was closed") from None
+                    except Aborted as exc:
+                        aborts[i] += 1
+                        if aborts[i] >= MAX_ABORTS:
+                            raise ServerFault(f"{exc}, {MAX_ABORTS} times") from None
+                        todo.appendleft(i)  # whole, to whichever server is least loaded
+                        server.resent += 1
+                        continue
                     except (Unreachable, HTTPStatus) as exc:
                         if isinstance(exc, HTTPStatus) and exc.status < 500:
                             raise ServerError(
@@ -314,13 +378,23 @@ class ServerPool:
                         server.resent += 1
                         todo.appendleft(i)  # whole, to another server
                         continue
+                    except ServerFault:
+                        raise  # the server's own fault, one line: not re-sent (module docstring)
                     if out[i] is not None:  # a request has one result: never reached
                         raise RuntimeError(f"request {i} answered twice")
-                    out[i] = _served(answer, requests[i].max_tokens, server.url)
+                    out[i] = gen
                     server.completed += 1
-        finally:  # closed: do not wait for answers nobody will read
-            ex.shutdown(wait=not self.closed.is_set(), cancel_futures=True)
+        finally:  # a fault, an error or close(): answers nobody will read end within a slice
+            given_up.set()
+            ex.shutdown(wait=True, cancel_futures=True)
         return [g for g in out if g is not None]
+
+    @property
+    def newest_version(self) -> int | None:
+        """The newest weights version a server may stamp on a token: the newest this pool
+        pushed; None for a pool that never pushed (bapo eval: the server holds whatever its run
+        left, any version)."""
+        return self.version if self.pushed else None
 
     def _least_loaded(self) -> Server | None:
         live = [s for s in self.servers if s.alive and s.in_flight < self.max_in_flight]
@@ -338,11 +412,24 @@ class ServerPool:
         raise NoServerLeft(f"every generation server is down ({detail})")
 
     def _revive_due(self) -> None:
+        """Ask each down server whose time has come whether it is back, each in a thread of its
+        own: a server that does not answer must not hold up the others' answers."""
         now = time.monotonic()
         for server in self.servers:
-            if not server.alive and now >= server.next_probe:
+            if not server.alive and now >= server.next_probe and server.url not in self._reviving:
                 server.next_probe = now + self.revive_s
+                self._reviving.add(server.url)
+                threading.Thread(
+                    target=self._revive_in_thread, args=(server,), daemon=True, name="bapo-revive"
+                ).start()
+
+    def _revive_in_thread(self, server: Server) -> None:
+        try:
+            if not self.closed.is_set():
                 self.revive(server)
+        finally:
+            server.next_probe = time.monotonic() + self.revive_s
+            self._reviving.discard(server.url)
 
     def revive(self, server: Server) -> bool:
         """A down server that answers again: checked (same model), given the newest weights,
@@ -351,7 +438,7 @@ class ServerPool:
             try:
                 self._check_one(server)
                 self._load_revived(server)
-            except (ServerError, HTTPStatus):
+            except ServerError:
                 return False  # still down: `last_error` keeps why it went down
             server.alive = True
         self.events.append(f"back {server.url} at version {self.version}")
@@ -366,8 +453,9 @@ class ServerPool:
         """The weights version a server stamps on what it samples now (one token)."""
         sampling = {"max_tokens": 1, "ignore_eos": True, "detokenize": False}
         body = {"token_ids": [0], "sampling_params": sampling}
-        answer = call(server.url, "POST", GENERATE, body, CHECK_TIMEOUT_S)
-        return _token_versions(answer["choices"][0].get("weight_versions"), 1, server.url)[0]
+        answer = call(server.url, "POST", GENERATE, body, self.check_timeout_s)
+        choice = first_choice(answer, server.url)
+        return token_versions(choice.get("weight_versions"), 1, server.url)[0]
 
     # ------------------------------------------------------------------------------- weights
 
@@ -391,58 +479,59 @@ class ServerPool:
     def push(self, directory: Path | None, version: int, *, interrupt: bool) -> None:
         """Load the version in `directory` into every live server, in parallel."""
         with self.lock:
-            self.published, self.version = directory, version
+            self.published, self.version, self.pushed = directory, version, True
             live = [s for s in self.servers if s.alive]
             mode = "keep" if interrupt else "wait"
-            with ThreadPoolExecutor(max_workers=max(1, len(live))) as ex:
+            ex = ThreadPoolExecutor(max_workers=max(1, len(live)))
+            try:
                 futures = {ex.submit(self._push_one, s, directory, version, mode): s for s in live}
                 for future, server in futures.items():
                     try:
                         future.result()
                     except (Unreachable, HTTPStatus) as exc:
                         self._down(server, exc)
+            finally:  # a stop (a signal) while pushes wait waits for none (close() ends them)
+                ex.shutdown(wait=False)
             if not any(s.alive for s in self.servers):
                 self._all_down()
 
     def close(self) -> None:
-        """Stop waiting: a `generate` in another thread raises PoolClosed within `revive_s`.
-        Requests still running are aborted on their servers (`pause?mode=abort`, `resume`), so
-        this process does not wait at exit for answers nobody will read (Python joins the
-        request threads at exit)."""
+        """Stop waiting: a `generate` in another thread raises PoolClosed within `revive_s`, and
+        every call this pool has waiting returns within `server_http.SLICE_S`. Requests still
+        running are aborted on their servers (`pause?mode=abort`, `resume`: no server keeps
+        generating answers nobody will read), all servers at once, each call within
+        CLOSE_TIMEOUT_S: a run's stop never waits long on a server that hangs."""
         self.closed.set()
-        for server in self.servers:
-            if server.alive and server.in_flight > 0:
-                with contextlib.suppress(ServerError):
-                    call(server.url, "POST", "/pause?mode=abort", None, CHECK_TIMEOUT_S)
-                    call(server.url, "POST", "/resume", None, CHECK_TIMEOUT_S)
+        busy = [s.url for s in self.servers if s.alive and s.in_flight > 0]
+        threads = [threading.Thread(target=_abort, args=(u,), daemon=True) for u in busy]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(2 * CLOSE_TIMEOUT_S + 1)
 
     def _push_one(self, server: Server, directory: Path | None, version: int, mode: str) -> None:
         url = server.url
-        call(url, "POST", f"/pause?mode={mode}", None, PUSH_TIMEOUT_S)
+
+        def push_call(path: str, body: Any = None) -> Any:  # long, watched, ended by close()
+            return call(
+                url, "POST", path, body, PUSH_TIMEOUT_S, cancel=self.closed, watch=self.watch
+            )
+
+        push_call(f"/pause?mode={mode}")
         try:
             if directory is not None:  # None: the server's own start weights are version 0
-                call(
-                    url,
-                    "POST",
+                push_call(
                     "/collective_rpc",
                     {"method": "bapo_reload", "args": [str(directory), str(version)]},
-                    PUSH_TIMEOUT_S,
                 )
-            reset = call(
-                url,
-                "POST",
-                "/reset_prefix_cache?reset_running_requests=true",
-                None,
-                PUSH_TIMEOUT_S,
-            )
-            if not reset.get("success", False):
+            reset = push_call("/reset_prefix_cache?reset_running_requests=true")
+            if not (isinstance(reset, dict) and reset.get("success", False)):
                 raise HTTPStatus(500, f"{url} could not reset its prefix cache")
-            call(
-                url, "POST", "/update_weight_version", {"new_version": str(version)}, PUSH_TIMEOUT_S
-            )
-        finally:
+            push_call("/update_weight_version", {"new_version": str(version)})
+        finally:  # never left paused; asked briefly once the pool is closed (a stop waits)
+            wait_s = CLOSE_TIMEOUT_S if self.closed.is_set() else self.check_timeout_s
             with contextlib.suppress(ServerError):
-                call(url, "POST", "/resume", None, CHECK_TIMEOUT_S)
+                call(url, "POST", "/resume", None, wait_s)
         server.version = version
 
     def probe(self, token_ids: Sequence[int]) -> dict[str, tuple[int, list[float]]]:
@@ -461,14 +550,22 @@ class ServerPool:
             },
         }
         out = {}
+        limit = generate_limit(len(token_ids), 1)
         for server in (s for s in self.servers if s.alive):
-            answer = call(server.url, "POST", GENERATE, body, CHECK_TIMEOUT_S)
-            rows = answer["prompt_logprobs"][1:]
-            logprobs = [
-                float(row[str(t)]["logprob"]) for row, t in zip(rows, token_ids[1:], strict=True)
-            ]
-            versions = _token_versions(answer["choices"][0].get("weight_versions"), 1, server.url)
-            out[server.url] = (versions[0], logprobs)
+            url = server.url
+            answer = call(url, "POST", GENERATE, body, self.check_timeout_s, limit=limit)
+            try:
+                rows = answer["prompt_logprobs"][1:]
+                logprobs = [
+                    float(row[str(t)]["logprob"])
+                    for row, t in zip(rows, token_ids[1:], strict=True)
+                ]
+            except (KeyError, IndexError, TypeError, ValueError):
+                raise ServerFault(
+                    f"{url} answered the probe without the prompt's log-probs: {short(answer)}"
+                ) from None
+            choice = first_choice(answer, url)
+            out[url] = (token_versions(choice.get("weight_versions"), 1, url)[0], logprobs)
         return out
 
     # ------------------------------------------------------------------------------- metrics
@@ -478,126 +575,22 @@ class ServerPool:
         return {s.url: s.completed for s in self.servers}
 
 
-# ------------------------------------------------------------------------------------- HTTP
+# ---------------------------------------------------------------------------------- answers
 
 
-class HTTPStatus(ServerError):
-    """The server answered with an error status."""
-
-    def __init__(self, status: int, detail: str) -> None:
-        super().__init__(f"HTTP {status}: {detail}")
-        self.status = status
-
-
-_OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # loopback: no proxies
+def _abort(url: str) -> None:
+    """close(): abort what the server runs for us and let it take requests again."""
+    with contextlib.suppress(ServerError):
+        call(url, "POST", "/pause?mode=abort", None, CLOSE_TIMEOUT_S)
+        call(url, "POST", "/resume", None, CLOSE_TIMEOUT_S)
 
 
-def call(url: str, method: str, path: str, body: Any = None, timeout: float = 10.0) -> Any:
-    """One JSON request; the decoded answer ({} when empty). Unreachable for connection
-    failures, HTTPStatus for error answers."""
-    data = None if body is None else json.dumps(body).encode()
-    if method == "POST" and data is None:
-        data = b""
-    req = urllib.request.Request(
-        url + path,
-        data=data,
-        method=method,
-        headers={"content-type": "application/json", **server_auth.bearer()},
-    )
-    try:
-        with _OPENER.open(req, timeout=timeout) as r:
-            raw = r.read()
-    except urllib.error.HTTPError as exc:
-        detail = exc.read().decode(errors="replace")[:300].replace("\n", " ")
-        raise HTTPStatus(exc.code, detail) from None
-    except urllib.error.URLError as exc:
-        raise Unreachable(_reason(exc.reason)) from None
-    except (http.client.HTTPException, OSError) as exc:  # reset, disconnected, timed out
-        raise Unreachable(_reason(exc)) from None
-    if not raw:
-        return {}
-    try:
-        return json.loads(raw)
-    except json.JSONDecodeError:
-        raise HTTPStatus(502, f"not JSON: {raw[:100]!r}") from None
-
-
-def _reason(exc: Any) -> str:
-    if isinstance(exc, ConnectionRefusedError):
-        return "connection refused"
-    if isinstance(exc, TimeoutError):
-        return "timed out"
-    return getattr(exc, "strerror", None) or str(exc) or type(exc).__name__
-
-
-def _served_window(url: str) -> int | None:
+def _served_window(ask: Any) -> int | None:
     """The served model's context window (`/v1/models`), or None if it does not say."""
-    with contextlib.suppress(ServerError, KeyError, IndexError, TypeError):
-        return int(
-            call(url, "GET", "/v1/models", None, CHECK_TIMEOUT_S)["data"][0]["max_model_len"]
-        )
+    try:
+        window = ask("GET", "/v1/models")["data"][0]["max_model_len"]
+    except (HTTPStatus, KeyError, IndexError, TypeError):
+        return None
+    if isinstance(window, int) and not isinstance(window, bool) and window > 0:
+        return window
     return None
-
-
-def _generate_body(
-    req: Request, params: SamplingParams, seed: int, eos_ids: Sequence[int], ignore_eos: bool
-) -> dict[str, Any]:
-    """The request for one sample: prompt + partial response as ids, the run's sampling."""
-    sampling: dict[str, Any] = {
-        "n": 1,
-        "temperature": params.temperature,
-        "top_p": params.top_p,
-        "top_k": params.top_k if params.top_k > 0 else -1,
-        "max_tokens": req.max_tokens,
-        "stop_token_ids": list(eos_ids),
-        "logprobs": 0,  # the sampled token's own log-prob (and none other)
-        "seed": seed,
-        "detokenize": bool(params.stop),  # stop strings are matched on text
-    }
-    if params.stop:
-        sampling["stop"] = list(params.stop)
-    if ignore_eos:
-        sampling.update(ignore_eos=True, stop_token_ids=[])
-    return {
-        "token_ids": list(req.prompt_ids) + list(req.prefix_ids),
-        "sampling_params": sampling,
-    }
-
-
-def _served(answer: dict[str, Any], budget: int, url: str) -> ServedGeneration:
-    """The server's answer → tokens, their log-probs and versions, and why it stopped (as
-    rollout.vllm's `_generation`: end token or stop string; this round's budget; else the
-    context window)."""
-    choice = answer["choices"][0]
-    tokens = [int(t) for t in choice.get("token_ids") or []]
-    content = (choice.get("logprobs") or {}).get("content") or []
-    logprobs = [float(c["logprob"]) for c in content]
-    if len(logprobs) != len(tokens):
-        raise HTTPStatus(502, f"{url} returned {len(tokens)} tokens but {len(logprobs)} log-probs")
-    versions = _token_versions(choice.get("weight_versions"), len(tokens), url)
-    if choice.get("finish_reason") == "stop":
-        reason = FINISH_STOP
-    elif len(tokens) >= budget:
-        reason = FINISH_BUDGET  # the Collector turns this into `length` at rollout.max_tokens
-    else:
-        reason = FINISH_LENGTH
-    return ServedGeneration(tokens, logprobs, reason, versions=versions, server=url)
-
-
-def _token_versions(spans: Any, count: int, url: str) -> list[int]:
-    """Per-token versions from vLLM's spans [{version, start, end}, ...]."""
-    if count == 0:
-        return []
-    out: list[int | None] = [None] * count
-    for span in spans or []:
-        try:
-            v = int(span["version"])
-        except (TypeError, ValueError, KeyError):
-            raise HTTPStatus(
-                502, f"{url} sampled with weights labelled {span.get('version')!r}, not a version"
-            ) from None
-        for t in range(int(span["start"]), min(int(span["end"]), count)):
-            out[t] = v
-    if any(v is None for v in out):
-        raise HTTPStatus(502, f"{url} did not say which weights sampled every token")
-    return [int(v) for v in out if v is not None]

@@ -279,6 +279,8 @@ class NcclPool(ServerPool):
                     + "; ".join(f"{s.url}: {s.last_error or 'down'}" for s in self.servers)
                 )
             mode = "keep" if interrupt else "wait"
+            # before the stamp: tokens of `version` may come back while the push finishes
+            self.pushed, self.version = True, version
             try:
                 self._each(lambda u: call(u, "POST", f"/pause?mode={mode}", None, PUSH_TIMEOUT_S))
                 try:
@@ -296,7 +298,7 @@ class NcclPool(ServerPool):
                 raise NoServerLeft(f"the NCCL weight push failed: {exc}") from None
             for s in self.servers:
                 s.version = version
-            self.published, self.version = directory, version
+            self.published = directory
 
     def revive(self, server: Server) -> bool:
         """Never within the run: the NCCL group has no place for a member that rejoins."""

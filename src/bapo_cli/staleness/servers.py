@@ -53,11 +53,13 @@ comes back is used again once it holds the newest version (rank 0 gives it that)
 the write and the probe forwards) made by the trainer inside `DistContext.gathered`, where each rank
 holds the full weights and a forward is no collective.
 
-**Failures.** A server that dies has its requests re-sent to the others (`ServerPool`); each
-request has one answer, so each prompt group is trained exactly once. With none left, `receive`
-raises `ServersDown` (a `WorkerError` the trainer answers with one line and a checkpoint of the
-last step, see `trainer.train`). A push that finds every server down is kept and raised by the
-next `receive`, so the step it ended is complete when the error surfaces.
+**Failures.** A server that dies or stalls has its requests re-sent to the others
+(`ServerPool`); each request has one answer, so each prompt group is trained exactly once. With
+none left, `receive` raises `ServersDown` (a `WorkerError` the trainer answers with one line and
+a checkpoint of the last step, see `trainer.train`); a server that answers with what no healthy
+server sends (`ServerFault`), `ServerFailed`, the same way. A push that finds every server down
+is kept and raised by the next `receive`, so the step it ended is complete when the error
+surfaces.
 """
 
 from __future__ import annotations
@@ -84,6 +86,7 @@ from bapo_cli.rollout.servers import (
     NoServerLeft,
     PoolClosed,
     ServerError,
+    ServerFault,
     ServerPool,
     model_identity,
 )
@@ -99,6 +102,14 @@ class ServersDown(WorkerError):
     """No generation server is left; the message is one line. The trainer writes a checkpoint of
     the last step before it stops (`checkpoint_first`), so restarting the servers and resuming
     loses nothing."""
+
+    checkpoint_first = True
+
+
+class ServerFailed(WorkerError):
+    """A server answered with what no healthy server sends (`ServerFault`: tokens not asked
+    for, ids outside the vocabulary, log-probs that are no probabilities, ...): nothing of it was
+    trained; the last step is saved first, as for `ServersDown`."""
 
     checkpoint_first = True
 
@@ -119,6 +130,12 @@ class FollowerPool(ServerPool):
 
     def push(self, directory: Path | None, version: int, *, interrupt: bool) -> None:
         raise RuntimeError("a follower rank's pool does not push weights (rank 0 does)")
+
+    @property
+    def newest_version(self) -> int | None:
+        """Rank 0 may have pushed the next version before this rank adopts it (`_share`), never
+        the one after: that push follows a step this rank takes part in."""
+        return self.version + 1
 
     def adopt(self, version: int, alive: list[str]) -> None:
         """Rank 0 pushed `version` to the servers `alive`: the others are down here too (they
@@ -148,6 +165,7 @@ def make_pool(cfg: Any, root: Path | None = None, *, follower: bool = False) -> 
         "expect": identity,
         "max_model_len": int(cfg.model.max_model_len),
         "weights_dir": root,
+        "stall_s": float(cfg.rollout.server_stall_s),
     }
     if cfg.staleness.weights == "nccl" and not follower:  # rank 0 pushes over NCCL
         host, port = check_master("staleness.nccl_master", cfg.staleness.nccl_master)
@@ -252,7 +270,11 @@ class ServerWorker:
         try:
             self._start(model, version)
         except ServerError as exc:
+            self.pool.close()
             raise WorkerError(str(exc)) from None
+        except BaseException:  # a stop signal's abandonment: the pushes still waiting end now
+            self.pool.close()
+            raise
         self._thread = threading.Thread(target=self._run, name="bapo-servers", daemon=True)
         self._thread.start()
 
@@ -421,6 +443,11 @@ class ServerWorker:
     def _error(self, exc: BaseException) -> WorkerError:
         if isinstance(exc, NoServerLeft):
             return ServersDown(f"{exc}; restart them and resume (trainer.resume=true)")
+        if isinstance(exc, ServerFault):
+            return ServerFailed(
+                f"{exc}; nothing of it was trained: fix or replace that server, then resume "
+                "(trainer.resume=true)"
+            )
         if isinstance(exc, ServerError | WorkerError):
             return WorkerError(str(exc))
         return WorkerError(f"server generation failed: {type(exc).__name__}: {exc}")

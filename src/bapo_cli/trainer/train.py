@@ -113,10 +113,14 @@ def train(
             # (FSDP2: every rank holds the full weights while rank 0 writes them for the servers;
             # a regime that generates with the trainer's engine needs no gather here)
             elsewhere = run.regime.generates_elsewhere
+            # the servers' start may wait on a server that hangs: a stop's grace may abandon it
+            # as it abandons a rollout (nothing is trained yet)
+            stop.phase = ROLLOUT
             with run.ctx.gathered(run.scorer) if elsewhere else contextlib.nullcontext():
                 run.regime.start(
                     cfg, run.model, run.state.version, run_dir=run.run_dir, group=run.ctx
                 )
+            stop.phase = IDLE
             stopped = _loop(run, tracker, stop)
             status = "KILLED" if stopped else "FINISHED"
             clean = True  # every rank is past the last step's collectives

@@ -35,6 +35,12 @@ class RolloutConfig:
         "staleness.regime=async: URLs of running vLLM generation servers (bapo serve) that "
         "generate instead of a worker process, e.g. [http://127.0.0.1:8001]; [] = none",
     )
+    server_stall_s: float = opt(
+        30.0,
+        "rollout.servers, eval.server: a server holding requests that does not answer GET "
+        "/health within this many seconds (asked every 10 s) is stalled: marked down, its "
+        "requests re-sent to the others; 0 = never asked (a request waits its whole 600 s)",
+    )
     tis_cap: float | None = opt(
         None,
         "truncated importance sampling: weight each token by min(pi_trainer / pi_engine, cap), "
@@ -79,6 +85,7 @@ class RolloutConfig:
                 "gpu_memory_utilization", self.gpu_memory_utilization, "must be within (0, 1]"
             )
         _positive("tensor_parallel_size", self.tensor_parallel_size)
+        _positive("server_stall_s", self.server_stall_s, allow_zero=True)
         if self.tis_cap is not None and not self.tis_cap >= 1.0:
             raise ConfigError("tis_cap", self.tis_cap, "must be >= 1 (or null to disable)")
         _one_of("tis_level", self.tis_level, TIS_LEVELS)
