@@ -101,7 +101,8 @@ def train(
         elif cfg.trainer.resume:
             save_resume.restart(run)
         stop.phase = IDLE  # from here a stop closes the run KILLED and says how to resume
-        tracker = _start_tracking(run, tags or {}, resumed=resume_from is not None, swept=swept)
+        # a run continued (resumed, or restarted: save_resume) has its params logged already
+        tracker = _start_tracking(run, tags or {}, resumed=run.run_id is not None, swept=swept)
         status, clean, stopped = "FAILED", False, False
         try:
             run.val_sets = (
