@@ -77,9 +77,9 @@ SlurmdPidFile=/run/slurmd.pid
 SlurmctldLogFile=$logs/slurmctld.log
 SlurmdLogFile=$logs/slurmd.log
 ReturnToService=2
-# jobs whose begin time has come (a requeued one) are started by the backfill pass: every 30 s by
-# default, every second here
-SchedulerParameters=bf_interval=1
+# a requeued job whose begin time has come waits for the next scheduling pass: the main one runs
+# every 60 s by default and the backfill one every 30 s; here both every second
+SchedulerParameters=bf_interval=1,sched_interval=1
 MpiDefault=none
 MailProg=/bin/true
 KillWait=30
