@@ -93,6 +93,7 @@ EOF
 
 start_munge() {
   if munge -n 2>/dev/null | unmunge >/dev/null 2>&1; then return; fi
+  mkdir -p /etc/munge
   [ -s /etc/munge/munge.key ] || mungekey --create --keyfile=/etc/munge/munge.key
   chown munge:munge /etc/munge/munge.key 2>/dev/null || true
   chmod 0400 /etc/munge/munge.key

@@ -33,7 +33,6 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-from mlflow.tracking import MlflowClient
 
 from bapo_cli import tracking
 from bapo_cli.trainer import checkpoint
@@ -46,24 +45,14 @@ from tests.slurm.conftest import (
     wait_done,
     wait_until,
 )
-from tests.train.conftest import FAST
+from tests.train.test_ctrl_c import TRACKED, _runs, _store
 
 skip_module_unless_possible()
 pytestmark = pytest.mark.slow
 
-TRACKED = [o for o in FAST if o != "tracking=none"]  # MLflow under the test's output root
 STEPS = 30
 SCRIPT_RUN = [*TRACKED, f"trainer.max_steps={STEPS}", "trainer.save_every=3"]
 JOB_S = 300  # one attempt: process start-up and 30 tiny steps, on a loaded 2-core machine
-
-
-def _store(root: Path) -> MlflowClient:
-    return MlflowClient(tracking_uri=f"sqlite:///{root}/mlflow.db")
-
-
-def _runs(root: Path) -> list:
-    client = _store(root)
-    return client.search_runs([client.get_experiment_by_name("bapo").experiment_id])
 
 
 def test_a_launcher_slurm_sweep_runs_each_job_under_slurm_one_parent_two_children(
