@@ -275,7 +275,7 @@ def _write_slurm_script(path: Path, topo, checked, gpus: int | None, sbatch) -> 
     if device == "cuda" and gpus == 0:
         raise _fail("--gpus-per-node 0 with model.device=cuda: the job would have no GPU")
     try:
-        slurm.check_sbatch(list(sbatch or []))
+        slurm.check_sbatch(list(sbatch or []), checked.config.trainer.stop_grace_s)
     except slurm.SlurmScriptError as err:
         raise _fail(str(err)) from None
     run_dir = _claim_output_dir(checked, False)

@@ -100,6 +100,11 @@ def test_gpus_only_when_asked_and_one_node_keeps_its_store_on_the_loopback(
         (["--sbatch=-p"], "--sbatch -p: give one long sbatch option per --sbatch"),
         (["--sbatch=--nodes=2"], "--sbatch --nodes=2: the script sets --nodes from --nnodes"),
         (["--sbatch=--gpus-per-node=2"], "the script sets --gpus-per-node from --gpus-per-node"),
+        (  # warned as it starts (80 s before a 2 min limit), every attempt would requeue again
+            ["--sbatch=--time=2"],
+            "--sbatch --time=2: the time-limit warning comes 80 s before the limit",
+        ),
+        (["--sbatch=--time=0:10:00", "--sbatch=--signal=B:USR1@300"], "give a --time over 600 s"),
     ],
 )
 def test_flags_that_cannot_work_are_one_line_and_claim_nothing(

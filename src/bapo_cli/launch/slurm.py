@@ -68,9 +68,47 @@ def signal_lead_s(grace_s: float) -> int:
     return math.ceil(grace_s) + SAVE_LEAD_S
 
 
-def check_sbatch(options: list[str]) -> dict[str, str]:
+def time_limit_s(value: str) -> int | None:
+    """sbatch's `--time` in seconds (minutes, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS), None
+    for a form it does not parse (or UNLIMITED): sbatch then judges it."""
+    days, _, clock = value.rpartition("-") if "-" in value else ("0", "", value)
+    parts = clock.split(":")
+    if not days.isdigit() or not all(p.isdigit() for p in parts) or len(parts) > 3:
+        return None
+    numbers = [int(p) for p in parts]
+    if "-" in value:  # D-HH[:MM[:SS]]
+        numbers += [0] * (3 - len(numbers))
+        hours, minutes, seconds = numbers
+    elif len(numbers) == 1:  # minutes
+        hours, minutes, seconds = 0, numbers[0], 0
+    elif len(numbers) == 2:  # MM:SS
+        hours, minutes, seconds = 0, *numbers
+    else:
+        hours, minutes, seconds = numbers
+    return ((int(days) * 24 + hours) * 60 + minutes) * 60 + seconds
+
+
+def check_warning_fits(lines: dict[str, str], grace_s: float) -> None:
+    """A `--time` no longer than the warning's lead would warn every attempt as it starts, and
+    each would requeue the job again, forever: one line instead."""
+    time_line = lines.get("time")
+    limit = time_limit_s(time_line.partition("=")[2]) if time_line else None
+    signal_line = lines.get("signal", "")
+    lead = re.search(r"@(\d+)$", signal_line)
+    lead_s = int(lead.group(1)) if lead else signal_lead_s(grace_s)
+    if limit is not None and limit <= 2 * lead_s:
+        raise SlurmScriptError(
+            f"--sbatch {time_line}: the time-limit warning comes {lead_s} s before the limit "
+            f"(trainer.stop_grace_s + {SAVE_LEAD_S} s, or --sbatch=--signal=B:USR1@N), so each "
+            f"attempt would be warned and requeued before it trained; give a --time over "
+            f"{2 * lead_s} s"
+        )
+
+
+def check_sbatch(options: list[str], grace_s: float = 0.0) -> dict[str, str]:
     """`--sbatch` values → {name: line}; a one-line SlurmScriptError for one that is not a long
-    option (`--name` or `--name=value`) or that bapo's own flags decide."""
+    option (`--name` or `--name=value`), that bapo's own flags decide, or a `--time` the
+    time-limit warning would not leave room in."""
     lines: dict[str, str] = {}
     for option in options:
         shown = option if option.isprintable() else ascii(option)
@@ -85,6 +123,7 @@ def check_sbatch(options: list[str]) -> dict[str, str]:
                 f"--sbatch {shown}: the script sets --{name} from {FROM_FLAGS[name]}; use that"
             )
         lines[name] = option
+    check_warning_fits(lines, grace_s)
     return lines
 
 
@@ -114,7 +153,7 @@ def script(
     }
     if gpus_per_node > 0:
         own["gpus-per-node"] = f"--gpus-per-node={gpus_per_node}"
-    own.update(check_sbatch(sbatch or []))
+    own.update(check_sbatch(sbatch or [], grace_s))
     kept = [o for o in overrides if o.lstrip("+").partition("=")[0] not in OVERRIDDEN]
     program = [*train_program(kept), "trainer.resume=true", f"hydra.run.dir={quote(run_dir)}"]
     env = forward.agent_env(grace_s, env={})
