@@ -91,9 +91,11 @@ def test_a_launcher_slurm_sweep_runs_each_job_under_slurm_one_parent_two_childre
         assert job(task)["JobState"] == "COMPLETED"
 
 
-def test_the_written_script_asks_for_no_gpu_and_a_requeued_job_resumes_the_same_run(
+def test_the_written_script_meets_requeue_the_time_limit_warning_and_scancel_as_one_run(
     slurm: None, _output_root: Path, tmp_path: Path
 ) -> None:
+    """One job meets each fault in turn, each attempt resuming where the last one saved:
+    `scontrol requeue` (preemption), the time-limit warning, `scancel`, then `sbatch` again."""
     script, run_dir = _write_script(tmp_path)
     text = script.read_text()
     assert "--gpus-per-node" not in text  # the CPU form: sbatch refused the old line here
@@ -101,53 +103,44 @@ def test_the_written_script_asks_for_no_gpu_and_a_requeued_job_resumes_the_same_
         assert line in text.splitlines()
     with cancelled_at_exit([]) as jobs:
         jobs.append(job_id := sbatch(script, tmp_path))
-        wait_until(lambda: _saved(run_dir), JOB_S, "the first checkpoint")
-        subprocess.run(["scontrol", "requeue", job_id], check=True)  # what preemption does
-        saved, samples = _between_attempts(job_id, run_dir)
-        info = wait_done(job_id, JOB_S, restarts=1)
-    assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", info
-    first, second = _attempts(tmp_path / f"bapo-train-{job_id}.out", 2)
-    assert "SIGTERM: finishing this step" in first
-    assert f"stopped by SIGTERM at step {saved}" in first
-    _assert_continued(second, run_dir, saved, samples, _output_root)
-    (run,) = _runs(_output_root)
-    assert run.info.status == "FINISHED"
-
-
-def test_the_time_limit_warning_requeues_and_scancel_saves_for_a_resubmit(
-    slurm: None, _output_root: Path, tmp_path: Path
-) -> None:
-    script, run_dir = _write_script(tmp_path)
-    with cancelled_at_exit([]) as jobs:
-        jobs.append(job_id := sbatch(script, tmp_path))
-        wait_until(lambda: _saved(run_dir), JOB_S, "the first checkpoint")
-        # what SLURM sends at --signal=B:USR1@N: SIGUSR1 to the batch shell alone
-        subprocess.run(["scancel", "--signal=USR1", "--batch", job_id], check=True)
-        saved, samples = _between_attempts(job_id, run_dir)
-        wait_until(lambda: job(job_id)["JobState"] == "RUNNING", JOB_S, "the second attempt")
         log = tmp_path / f"bapo-train-{job_id}.out"
-        first, second = _attempts(log, 2, wait_s=JOB_S)
-        assert "SIGUSR1: finishing this step" in first
-        assert f"stopped by SIGUSR1 at step {saved}" in first
-        assert f"bapo: saved at the time-limit warning; requeueing job {job_id}" in first
-        # scancel, once the second attempt has saved a step of its own: SIGTERM, no requeue
-        wait_until(lambda: (_saved(run_dir) or 0) > saved, JOB_S, "a checkpoint of attempt 2")
+        # 1. requeued (what preemption does): SIGTERM to every process, back in the queue
+        wait_until(lambda: _saved(run_dir), JOB_S, "the first checkpoint")
+        subprocess.run(["scontrol", "requeue", job_id], check=True)
+        first_saved, rows = _between_attempts(job_id, run_dir)
+        (first,) = _attempts(log, 1)
+        assert "SIGTERM: finishing this step" in first
+        assert f"stopped by SIGTERM at step {first_saved}" in first
+        # 2. the time-limit warning, once attempt 2 has saved a step of its own: what SLURM
+        # sends at --signal=B:USR1@N, SIGUSR1 to the batch shell alone
+        _attempts(log, 2, wait_s=JOB_S)
+        wait_until(lambda: _saved(run_dir) > first_saved, JOB_S, "a checkpoint of attempt 2")
+        subprocess.run(["scancel", "--signal=USR1", "--batch", job_id], check=True)
+        second_saved, rows_2 = _between_attempts(job_id, run_dir)
+        second = _attempts(log, 2)[1]
+        _assert_continued(second, run_dir, first_saved, rows, _output_root, ended=False)
+        assert "SIGUSR1: finishing this step" in second
+        assert f"stopped by SIGUSR1 at step {second_saved}" in second
+        assert f"bapo: saved at the time-limit warning; requeueing job {job_id}" in second
+        # 3. scancel, once attempt 3 has saved a step of its own: SIGTERM, not requeued
+        _attempts(log, 3, wait_s=JOB_S)
+        wait_until(lambda: _saved(run_dir) > second_saved, JOB_S, "a checkpoint of attempt 3")
         subprocess.run(["scancel", job_id], check=True)
-        info = wait_done(job_id, JOB_S, restarts=1)
+        info = wait_done(job_id, JOB_S, restarts=2)
         assert info["JobState"] == "CANCELLED", info
         (run,) = _runs(_output_root)
         assert run.info.status == "KILLED"
-        _, second = _attempts(log, 2)
-        _assert_continued(second, run_dir, saved, samples, _output_root, ended=False)
+        third = _attempts(log, 3)[2]
+        _assert_continued(third, run_dir, second_saved, rows_2, _output_root, ended=False)
         cancelled = _saved(run_dir)
-        assert f"stopped by SIGTERM at step {cancelled}" in second
-        samples = (run_dir / "samples.jsonl").read_text().splitlines()
-        # submitted again: a new job, the same run
+        assert f"stopped by SIGTERM at step {cancelled}" in third
+        rows_3 = (run_dir / "samples.jsonl").read_text().splitlines()
+        # 4. the same script submitted again: a new job, the same run, to its end
         jobs.append(again := sbatch(script, tmp_path))
         info = wait_done(again, JOB_S)
     assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", info
-    (third,) = _attempts(tmp_path / f"bapo-train-{again}.out", 1)
-    _assert_continued(third, run_dir, cancelled, samples, _output_root)
+    (last,) = _attempts(tmp_path / f"bapo-train-{again}.out", 1)
+    _assert_continued(last, run_dir, cancelled, rows_3, _output_root)
     (run,) = _runs(_output_root)
     assert run.info.status == "FINISHED"
 
@@ -164,10 +157,10 @@ def _write_script(tmp_path: Path) -> tuple[Path, Path]:
     return script, Path(run_dir)
 
 
-def _saved(run_dir: Path) -> int | None:
-    """The newest complete checkpoint's step, None before the first."""
+def _saved(run_dir: Path) -> int:
+    """The newest complete checkpoint's step, 0 before the first."""
     found = checkpoint.latest_usable(run_dir / "checkpoints", lambda _line: None)
-    return None if found is None else found[1]["state"]["step"]
+    return 0 if found is None else found[1]["state"]["step"]
 
 
 def _between_attempts(job_id: str, run_dir: Path) -> tuple[int, list[str]]:
@@ -175,7 +168,7 @@ def _between_attempts(job_id: str, run_dir: Path) -> tuple[int, list[str]]:
     first attempt saved last and its samples.jsonl rows."""
     wait_until(lambda: job(job_id)["JobState"] == "PENDING", JOB_S, "the job back in the queue")
     saved = _saved(run_dir)
-    assert saved is not None and saved < STEPS
+    assert 0 < saved < STEPS
     return saved, (run_dir / "samples.jsonl").read_text().splitlines()
 
 
