@@ -2,7 +2,7 @@
 # A single-node SLURM cluster on this machine, for the SLURM tests (tests/slurm) and for trying
 # `launcher=slurm` and `bapo train --slurm-script` by hand (docs/distributed.md#slurm-on-one-machine).
 #   bash scripts/slurm_local.sh start    # install (apt-get, only what is missing), configure, start
-#   bash scripts/slurm_local.sh stop     # stop the daemons it started (the packages stay)
+#   bash scripts/slurm_local.sh stop     # stop the daemons (slurmd, slurmctld, munged; packages stay)
 #   bash scripts/slurm_local.sh status   # exit 0 when this host's node answers `sinfo`
 # Needs root and Debian's packages (slurmctld, slurmd, slurm-client, munge: 22.05 on bookworm).
 # `start` is idempotent: a running cluster of ours is left as it is. It refuses to replace a
@@ -142,7 +142,12 @@ stop() {
     fi
   done
   for _ in $(seq 1 20); do
-    running slurmd || running slurmctld || { say "stopped"; return; }
+    if ! running slurmd && ! running slurmctld; then
+      # munged last: the daemons talk to it until they are gone
+      if running munge/munged; then kill "$(cat /run/munge/munged.pid)"; fi
+      say "stopped"
+      return
+    fi
     sleep 0.5
   done
   die "slurmd / slurmctld still running after 10 s"
