@@ -150,16 +150,16 @@ def _check_servers(config_name: str, cfg) -> None:
         raise _fail(str(exc)) from None
 
 
-def _claim_output_dir(checked, multirun: bool, allow_existing: bool = False) -> None:
+def _claim_output_dir(checked, multirun: bool, allow_existing: bool = False) -> Path | None:
     """A run (sweep) dir of its own (bapo_cli.launch.rundir.settle): a fresh `<time>[-N]`, or
     the real path of one the command line names (hydra.run.dir=... to resume), refused when it
-    holds a run; a torchrun rank > 0 leaves it to rank 0."""
+    holds a run; a torchrun rank > 0 leaves it to rank 0 (None)."""
     from bapo_cli.launch import rundir
 
     if int(os.environ.get("RANK", "0")) > 0:
-        return
+        return None
     try:
-        rundir.settle(checked, multirun, allow_existing)
+        return rundir.settle(checked, multirun, allow_existing)
     except rundir.RunDirError as err:
         raise _fail(str(err)) from None
 
@@ -205,7 +205,23 @@ def train(
     slurm_script: Path | None = typer.Option(
         None,
         "--slurm-script",
-        help="Write an sbatch script (srun + torchrun, --nnodes × --nproc) instead of training.",
+        help="Write an sbatch script (srun + torchrun, --nnodes × --nproc) instead of training; "
+        "every attempt (requeue, preemption, time limit) continues one run dir.",
+        show_default=False,
+    ),
+    gpus_per_node: int | None = typer.Option(
+        None,
+        "--gpus-per-node",
+        min=0,
+        help="With --slurm-script: GPUs to ask SLURM for per node (0: none); default --nproc "
+        "when model.device=cuda, else 0.",
+        show_default=False,
+    ),
+    sbatch: list[str] | None = typer.Option(
+        None,
+        "--sbatch",
+        help="With --slurm-script: one more #SBATCH option, long form (--sbatch=--partition=gpu "
+        "--sbatch=--time=04:00:00 --sbatch=--mem=64G); repeatable.",
         show_default=False,
     ),
 ) -> None:
@@ -225,6 +241,8 @@ def train(
     }
     if any(given.values()) and "WORLD_SIZE" in os.environ:  # they would be ignored
         raise _fail(multinode.launched_already([f for f, on in given.items() if on]))
+    if slurm_script is None and (gpus_per_node is not None or sbatch):
+        raise _fail("--gpus-per-node and --sbatch go with --slurm-script FILE")
     if nproc >= 1 or many or slurm_script:
         if multirun:
             raise _fail("--nproc and -m together: run the sweep's jobs one torchrun at a time")
@@ -235,11 +253,7 @@ def train(
         checked = _preflight("train", overrides)  # bad input fails here, before N processes start
         _one_process_regime(checked.config)
         if slurm_script is not None:
-            on_gpu = checked.config.model.device != "cpu"
-            text = multinode.slurm_script(topo, list(overrides or []), gpus=on_gpu)
-            slurm_script.write_text(text)
-            slurm_script.chmod(0o700)  # its overrides may hold credentials (tracking.uri)
-            _say(f"wrote {slurm_script}: sbatch {slurm_script}")
+            _write_slurm_script(slurm_script, topo, checked, gpus_per_node, sbatch)
             return
         program = multinode.train_program(list(overrides or []))
         env = forward.agent_env(checked.config.trainer.stop_grace_s)
@@ -249,6 +263,34 @@ def train(
         _launch("train", overrides, multirun, jobs.train_job)
     except KeyboardInterrupt as stopped:  # the trainer saved, closed and said how to resume
         raise typer.Exit(getattr(stopped, "code", 130)) from None
+
+
+def _write_slurm_script(path: Path, topo, checked, gpus: int | None, sbatch) -> None:
+    """The sbatch script (bapo_cli.launch.slurm), its run dir claimed now: each attempt of the
+    job trains there with trainer.resume=true."""
+    from bapo_cli.launch import slurm
+
+    device = checked.config.model.device
+    gpus = (topo.nproc if device == "cuda" else 0) if gpus is None else gpus
+    if device == "cuda" and gpus == 0:
+        raise _fail("--gpus-per-node 0 with model.device=cuda: the job would have no GPU")
+    try:
+        slurm.check_sbatch(list(sbatch or []), checked.config.trainer.stop_grace_s)
+    except slurm.SlurmScriptError as err:
+        raise _fail(str(err)) from None
+    run_dir = _claim_output_dir(checked, False)
+    text = slurm.script(
+        topo,
+        checked.overrides,  # normalised: the output root pinned, as every attempt must see it
+        run_dir=os.path.abspath(run_dir),
+        grace_s=checked.config.trainer.stop_grace_s,
+        gpus_per_node=gpus,
+        sbatch=list(sbatch or []),
+    )
+    path.write_text(text)
+    path.chmod(0o700)  # its overrides may hold credentials (tracking.uri)
+    asked = f"{gpus} GPU(s) per node" if gpus else "no GPU (--gpus-per-node N asks for some)"
+    _say(f"wrote {path}: sbatch {path}  (run dir {run_dir}; {asked})")
 
 
 @app.command(

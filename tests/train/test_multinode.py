@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import socket
-import stat
 import subprocess
 from pathlib import Path
 
@@ -190,41 +189,3 @@ def test_bad_launch_flags_fail_before_any_process_starts(_output_root: Path) -> 
     assert result.returncode == 2
     assert "--nnodes 2 needs --rdzv-endpoint HOST:PORT" in result.stderr
     assert not (_output_root / "runs").exists()
-
-
-def test_slurm_script_runs_one_torchrun_per_node_with_c10d_at_the_first_node(
-    tmp_path: Path,
-) -> None:
-    script = tmp_path / "job.sh"
-    result = run_bapo(
-        "train",
-        "--nnodes",
-        "4",
-        "--nproc",
-        "8",
-        "--slurm-script",
-        str(script),
-        "algo=bapo",
-        "trainer.lr=1e-6",
-        "tracking.run_name=a b",  # quoted for the shell
-    )
-    assert result.returncode == 0, result.stderr[-2000:]
-    text = script.read_text()
-    assert stat.S_IMODE(script.stat().st_mode) == 0o700  # may hold credentials: owner only
-    for line in (
-        "#SBATCH --nodes=4",
-        "#SBATCH --ntasks-per-node=1",
-        "#SBATCH --gpus-per-node=8",
-        'head=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
-        "  --nnodes=4 \\",
-        "  --nproc-per-node=8 \\",
-        "  --rdzv-backend=c10d \\",
-        '  --rdzv-endpoint="$head:29500" \\',
-        '  --rdzv-id="$SLURM_JOB_ID" \\',
-        "  -m bapo_cli train algo=bapo trainer.lr=1e-6 'tracking.run_name=a b'",
-    ):
-        assert line in text.splitlines(), line
-    assert "srun --ntasks-per-node=1 " in text and "-m torch.distributed.run" in text
-    assert subprocess.run(["bash", "-n", str(script)]).returncode == 0  # valid shell
-    cpu = run_bapo("train", "--nnodes", "2", "--slurm-script", str(script), "model.device=cpu")
-    assert cpu.returncode == 0 and "--gpus-per-node" not in script.read_text()

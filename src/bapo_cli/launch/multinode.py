@@ -1,4 +1,4 @@
-"""Data-parallel launch over one or more machines: torchrun's command line, and a SLURM script.
+"""Data-parallel launch over one or more machines: torchrun's command line and its checks.
 
 No new infrastructure: PyTorch's own launcher (torchrun) starts the processes on each node and
 they meet at a rendezvous; `bapo_cli.trainer.distributed` does the rest (gloo / NCCL process
@@ -7,7 +7,7 @@ group, DDP or FSDP2), exactly as on one node.
     bapo train --nproc 2 ...                     one node, 2 processes (store on 127.0.0.1 only)
     bapo train --nnodes 2 --nproc 8 --rdzv-endpoint HEAD:29500 ...        on each of 2 nodes
     bapo train --nnodes 2 --nproc 8 --node-rank 1 --rdzv-endpoint HEAD:29500 ...   fixed ranks
-    bapo train --nnodes 4 --nproc 8 --slurm-script job.sh ...   writes job.sh; sbatch job.sh
+    bapo train --nnodes 4 --nproc 8 --slurm-script job.sh ...   an sbatch script (slurm.py)
 
 Rendezvous: without `--node-rank` the nodes meet through torchrun's c10d rendezvous (a TCP store
 at the endpoint; the node whose address is HOST hosts it, the others connect) and are given their
@@ -17,12 +17,6 @@ c10d, so `--node-rank I` selects its static rendezvous instead: node I holds glo
 I*G .. I*G+G-1 and node 0 must run on HOST, which then is the master address. Either way every
 node must run the same command (same overrides), and they must see the same file system for the
 run dir to be shared (only rank 0 writes into it).
-
-The SLURM script follows the recipe torchrun's and prime-rl's documentation give: one task per
-node (`srun --ntasks-per-node=1`), each a torchrun with `--nproc-per-node=G`, c10d rendezvous at
-the first node of the allocation, `--rdzv-id=$SLURM_JOB_ID`. (submitit and torchrun are not
-combined: each would start the per-GPU processes.) The script's python is the one that wrote it,
-so the nodes must see the same environment (a shared file system).
 """
 
 from __future__ import annotations
@@ -30,7 +24,6 @@ from __future__ import annotations
 import ipaddress
 import os
 import re
-import shlex
 import sys
 from dataclasses import dataclass
 
@@ -210,57 +203,3 @@ def torchrun_command(topo: Topology, program: list[str]) -> list[str]:
 def train_program(overrides: list[str]) -> list[str]:
     """What each torchrun process runs: `bapo train` with the same overrides."""
     return ["-m", "bapo_cli", "train", *overrides]
-
-
-def slurm_script(
-    topo: Topology,
-    overrides: list[str],
-    *,
-    job_name: str = "bapo-train",
-    partition: str | None = None,
-    time_limit: str | None = None,
-    port: int = DEFAULT_PORT,
-    gpus: bool = True,
-) -> str:
-    """An sbatch script: `topo.nnodes` nodes × `topo.nproc` processes (one GPU each when
-    `gpus`), one torchrun per node via srun, c10d rendezvous at the allocation's first node."""
-    headers = [
-        f"#SBATCH --job-name={job_name}",
-        f"#SBATCH --nodes={topo.nnodes}",
-        "#SBATCH --ntasks-per-node=1",
-        f"#SBATCH --output={job_name}-%j.out",
-    ]
-    if gpus:
-        headers.append(f"#SBATCH --gpus-per-node={topo.nproc}")
-    if partition:
-        headers.append(f"#SBATCH --partition={partition}")
-    if time_limit:
-        headers.append(f"#SBATCH --time={time_limit}")
-    flags = [
-        f"--nnodes={topo.nnodes}",
-        f"--nproc-per-node={topo.nproc}",
-        "--rdzv-backend=c10d",
-        f'--rdzv-endpoint="$head:{port}"',  # expanded by bash on the node
-        '--rdzv-id="$SLURM_JOB_ID"',
-    ]
-    program = " ".join(shlex.quote(a) for a in train_program(overrides))
-    lines = [
-        "#!/bin/bash",
-        f"# written by: bapo train --nnodes {topo.nnodes} --nproc {topo.nproc} --slurm-script "
-        "...; submit with sbatch",
-        *headers,
-        "set -euo pipefail",
-        f"cd {shlex.quote(_cwd())}",
-        "# the first node of the allocation hosts the c10d rendezvous (and the MLflow store path",
-        "# and run dirs must be on a file system every node sees)",
-        'head=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
-        f"srun --ntasks-per-node=1 {shlex.quote(sys.executable)} -m torch.distributed.run \\",
-        *(f"  {flag} \\" for flag in flags),
-        "  " + program,
-        "",
-    ]
-    return "\n".join(lines)
-
-
-def _cwd() -> str:
-    return os.getcwd()

@@ -138,14 +138,14 @@ def _shown(key: str, path: Path, named: str | None) -> str:
     return f"{key}={named}" + ("" if named == str(path) else f" (that is {path})")
 
 
-def settle(checked: Any, multirun: bool, allow_existing: bool = False) -> None:
+def settle(checked: Any, multirun: bool, allow_existing: bool = False) -> Path:
     """Decide, check and pin where Hydra writes this run (sweep); `checked` is the CLI's
     pre-flight (bapo_cli.config.preflight.Preflight), its overrides completed in place.
 
     No `hydra.run.dir=` / `hydra.sweep.dir=` on the command line: a fresh `<time>[-N]` dir is
     claimed. Else the one named, as a real path: checked (`reuse_error`; bapo eval:
     `eval_reuse_error`), created private and handed to Hydra as that path. A sweep's job dirs
-    are checked the same way. Raises RunDirError."""
+    are checked the same way. Returns the run (sweep) dir; raises RunDirError."""
     key = "hydra.sweep.dir" if multirun else "hydra.run.dir"
     named = _named(checked.overrides, key)
     if named is None:
@@ -169,6 +169,7 @@ def settle(checked: Any, multirun: bool, allow_existing: bool = False) -> None:
         create_private(out)
     if getattr(checked.config, "trainer", None) is None and allow_existing:
         _own_record(checked, jobs)
+    return out
 
 
 def _check(

@@ -10,7 +10,7 @@ runs together. One module per job:
 - spill.py: the on-disk journal of metrics waiting out a long outage, and the undelivered file
 - server.py: fail-fast HTTP settings, run links hidden, one masked line per store error
 - store.py: the store behind a URI, created under a file lock; experiments and artifact location
-- reader.py: `list_runs` for `bapo runs`
+- reader.py: `list_runs` for `bapo runs`; `unfinished_run`, the run a restart continues
 - sweep.py: a multirun's parent run, its jobs' tags and child runs
 
 The names below are the package's public face; callers import them from `bapo_cli.tracking`.
@@ -18,7 +18,7 @@ Tests that patch a module constant patch it in the module that reads it (e.g. `w
 """
 
 from bapo_cli.tracking.backends import BACKENDS, TrackerStartError, make_tracker, start_failure
-from bapo_cli.tracking.reader import RunRow, list_runs
+from bapo_cli.tracking.reader import RunRow, list_runs, unfinished_run
 from bapo_cli.tracking.server import (
     FAIL_FAST_HTTP,
     QUIET_LINKS,
@@ -91,4 +91,5 @@ __all__ = [
     "start_failure",
     "start_parent_run",
     "store_exists",
+    "unfinished_run",
 ]

@@ -1,5 +1,7 @@
 """Reading runs back for `bapo runs`: newest first, one row each, without creating a store
-that was never written; and the table that shows them, whole at any console width."""
+that was never written; and the table that shows them, whole at any console width. Also the
+unfinished run an earlier attempt left in a run dir (`unfinished_run`), which a restart with
+`trainer.resume=true` continues."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ from rich.table import Table
 
 from bapo_cli.tracking.store import client as store_client
 from bapo_cli.tracking.store import experiment_name, store_exists
+from bapo_cli.tracking.sweep import RUN_DIR_TAG
 
 
 @dataclass(frozen=True)
@@ -50,6 +53,25 @@ def list_runs(uri: str, experiment: str | None = None, limit: int = 50) -> list[
         )
         for r in runs
     ]
+
+
+def unfinished_run(uri: str, experiment: str, run_dir: str) -> str | None:
+    """The id of the newest run of `experiment` tagged with `run_dir` (RUN_DIR_TAG) that did not
+    finish, else None: what an attempt that left no checkpoint (a SLURM job requeued early)
+    started there. None as well for a run dir whose name holds a quote (no filter can name it)."""
+    if not store_exists(uri) or "'" in run_dir or "\\" in run_dir:
+        return None
+    client = store_client(uri)
+    found = client.get_experiment_by_name(experiment_name(experiment))
+    if found is None:
+        return None
+    runs = client.search_runs(
+        [found.experiment_id],
+        filter_string=f"tags.`{RUN_DIR_TAG}` = '{run_dir}' and attributes.status != 'FINISHED'",
+        order_by=["attributes.start_time DESC"],
+        max_results=1,
+    )
+    return runs[0].info.run_id if runs else None
 
 
 def runs_table(rows: list[RunRow], where: str, columns: Sequence[str]) -> Table:

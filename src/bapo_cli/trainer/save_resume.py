@@ -1,7 +1,8 @@
 """The `Run` to and from a checkpoint: `save` gathers every rank's state (regime buffers, data
 position, RNG) and the full weights and optimizer state, and rank 0 writes them
 (bapo_cli.trainer.checkpoint); `resume` puts them back, rank by rank, and trims samples.jsonl to
-the checkpoint's step."""
+the checkpoint's step; `restart` is a resume with no checkpoint to resume from (an earlier
+attempt stopped before its first save): its samples are dropped and its MLflow run continued."""
 
 from __future__ import annotations
 
@@ -9,11 +10,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+from bapo_cli import tracking
 from bapo_cli.trainer import checkpoint
 from bapo_cli.trainer.run import Run, TrainingError, TrainState
 from bapo_cli.trainer.samples import trim_samples
 
-__all__ = ["resume", "save"]
+__all__ = ["restart", "resume", "save"]
 
 
 def resume(run: Run, resume_from: Path, saved: dict[str, Any]) -> None:
@@ -48,6 +50,21 @@ def resume(run: Run, resume_from: Path, saved: dict[str, Any]) -> None:
     with ctx.gathered(run.scorer):
         run.engine.sync_weights(run.model, run.state.version)  # tokens sampled from here carry it
     run.console.print(f"resumed from {resume_from} at step {run.state.step}")
+
+
+def restart(run: Run) -> None:
+    """`trainer.resume=true` in a run dir without a checkpoint: training starts at step 0 again
+    (the same seed, so the same steps), so an earlier attempt's samples.jsonl rows are dropped
+    and its unfinished MLflow run (tagged with this run dir) is continued: the steps it logged are
+    not logged twice (bapo_cli.tracking.writer), the rest follow in the same run."""
+    if not run.ctx.is_main:
+        return
+    trim_samples(run.run_dir / "samples.jsonl", 0)
+    settings = run.cfg.tracking
+    if "mlflow" in settings.backends:
+        run.run_id = tracking.unfinished_run(settings.uri, settings.experiment, str(run.run_dir))
+    if run.run_id is not None:
+        run.console.print(f"continuing MLflow run {run.run_id}, left unfinished in this run dir")
 
 
 def save(run: Run, tracker: Any, *, ranks: dict[str, Any] | None = None, say: Any = None) -> None:

@@ -98,8 +98,11 @@ def train(
         run = _build(cfg, ctx, run_dir, console, resume_from)
         if resume_from is not None and saved is not None:
             save_resume.resume(run, resume_from, saved)
+        elif cfg.trainer.resume:
+            save_resume.restart(run)
         stop.phase = IDLE  # from here a stop closes the run KILLED and says how to resume
-        tracker = _start_tracking(run, tags or {}, resumed=resume_from is not None, swept=swept)
+        # a run continued (resumed, or restarted: save_resume) has its params logged already
+        tracker = _start_tracking(run, tags or {}, resumed=run.run_id is not None, swept=swept)
         status, clean, stopped = "FAILED", False, False
         try:
             run.val_sets = (

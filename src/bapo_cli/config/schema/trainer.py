@@ -47,7 +47,11 @@ class TrainerConfig:
     keep_last: int | None = opt(
         None, "keep only the newest N complete checkpoints (older ones deleted); null = keep all"
     )
-    resume: bool = opt(False, "continue from the last checkpoint in the run dir")
+    resume: bool = opt(
+        False,
+        "continue from the last checkpoint in the run dir (hydra.run.dir=...); none there: start "
+        "at step 0 in it, dropping an earlier attempt's samples and continuing its MLflow run",
+    )
     stop_grace_s: float = opt(
         20.0,
         "after SIGTERM or SIGUSR1: seconds the step in progress gets to end before it is "
