@@ -78,7 +78,11 @@ CASES = (
     ),
     Case(
         "behav_cap",
-        ("algo=grpo,m2po,bapo", "trainer.old_logprob=recompute,loglinear", "algo.behav_weight_cap=1.5")
+        (
+            "algo=grpo,m2po,bapo",
+            "trainer.old_logprob=recompute,loglinear",
+            "algo.behav_weight_cap=1.5",
+        )
         + TWO_EPOCHS,
         sweep=("algo.name", "trainer.old_logprob"),
     ),
@@ -167,7 +171,10 @@ CASES = (
     ),
     Case(
         "agg",
-        ("algo=grpo,m2po", "algo.agg=seq-mean-token-sum,seq-mean-token-mean,seq-mean-token-sum-norm"),
+        (
+            "algo=grpo,m2po",
+            "algo.agg=seq-mean-token-sum,seq-mean-token-mean,seq-mean-token-sum-norm",
+        ),
         sweep=("algo.name", "algo.agg"),
     ),
     Case("float64", ("algo=bapo,grpo", "model.dtype=float64"), sweep=("algo.name",)),
