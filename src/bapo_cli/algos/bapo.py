@@ -72,6 +72,20 @@ def search_inputs(
     return {"ratio": tok.r, "advantages": tok.adv, "mask": keep, "weights": weights}
 
 
+def inputs_search(log_prob: Tensor, inputs: RatioInputs, params: BapoParams) -> dict[str, Tensor]:
+    """`search_inputs` of a loss call's inputs with the loss's settings: what the trainer's
+    per-update search adds per micro-batch, and the recipe's search on one call."""
+    return search_inputs(
+        log_prob,
+        inputs.old_log_prob,
+        inputs.advantages,
+        inputs.mask,
+        dual_clip=params.dual_clip,
+        weighting=params.weighting,
+        rule=params.rule,
+    )
+
+
 BOUND_SCOPES = ("minibatch", "microbatch")
 
 
@@ -130,17 +144,7 @@ def _search(log_prob: Tensor, inputs: RatioInputs, tok: Tokens, params: BapoPara
         key, mass = _search_key_mass(tok, inputs.old_log_prob, params.weighting)
         acc.add_keyed(key, mass, tok.r.dtype)
     else:  # the recipe's search also sums |A| per bin: the plain interface
-        acc.add(
-            **search_inputs(
-                log_prob,
-                inputs.old_log_prob,
-                inputs.advantages,
-                inputs.mask,
-                dual_clip=params.dual_clip,
-                weighting=params.weighting,
-                rule=params.rule,
-            )
-        )
+        acc.add(**inputs_search(log_prob, inputs, params))
     return acc.solve(params.rho0, group=params.group)
 
 

@@ -24,18 +24,11 @@ import torch
 
 from bapo_cli.algos.contract import Aggregation, RatioInputs
 from bapo_cli.algos.core import REGISTRY, Tensor, rounded, surrogate_metrics, tokens
-from bapo_cli.algos.params import (
-    LossParams,
-    check_dual_clip,
-    check_eps,
-    dual_clip_param,
-    param,
-    positive,
-)
+from bapo_cli.algos.params import ClipRangeParams, param, positive
 
 
 @dataclass(frozen=True)
-class CEGPPOParams(LossParams):
+class CEGPPOParams(ClipRangeParams):
     """CE-GPPO: PPO's clip, with the clipped tokens' gradient scaled by beta1 / beta2."""
 
     eps_low: float = param(0.2, "clip range: c_low = 1 - eps_low (CE-GPPO's scripts: 0.2)")
@@ -48,13 +41,11 @@ class CEGPPOParams(LossParams):
     beta2: float = param(
         1.0, "gradient scale of clipped A > 0 tokens (r > c_high) (reference code, scripts: 1)"
     )
-    dual_clip: float | None = dual_clip_param()
 
     def check(self) -> None:
-        check_eps(self.eps_low, self.eps_high)
+        super().check()
         positive("beta1", self.beta1, zero=True)
         positive("beta2", self.beta2, zero=True)
-        check_dual_clip(self.dual_clip)
 
     def describe(self) -> str:
         return (
@@ -70,7 +61,7 @@ def ce_gppo_loss(
     """CE-GPPO (module docstring). clipfrac_low / clipfrac_high count the tokens beyond the
     bounds (they still carry the scaled gradient); the metrics' gradient weight of such a token
     is beta * c (r for the others), so rho is the positive share of the gradient it trains on."""
-    c_low, c_high = 1.0 - float(params.eps_low), 1.0 + float(params.eps_high)
+    c_low, c_high = params.bounds()
     tok = tokens(log_prob, inputs)
     r, adv = tok.r, tok.adv
     lo, hi = rounded(c_low, r), rounded(c_high, r)

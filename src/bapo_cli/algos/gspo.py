@@ -9,20 +9,15 @@ import torch
 
 from bapo_cli.algos.contract import Aggregation, RatioInputs
 from bapo_cli.algos.core import REGISTRY, Tensor, clip_metrics, rounded, tokens
-from bapo_cli.algos.params import LossParams, check_dual_clip, check_eps, dual_clip_param, param
+from bapo_cli.algos.params import ClipRangeParams, param
 
 
 @dataclass(frozen=True)
-class GSPOParams(LossParams):
+class GSPOParams(ClipRangeParams):
     """GSPO: clip the length-normalised sequence ratio s_i to [1 - eps_low, 1 + eps_high]."""
 
     eps_low: float = param(3e-4, "lower clip range of the sequence ratio (GSPO paper: 3e-4)")
     eps_high: float = param(4e-4, "upper clip range of the sequence ratio (GSPO paper: 4e-4)")
-    dual_clip: float | None = dual_clip_param()
-
-    def check(self) -> None:
-        check_eps(self.eps_low, self.eps_high)
-        check_dual_clip(self.dual_clip)
 
     def describe(self) -> str:
         return f"sequence ratio in [{1 - self.eps_low:g}, {1 + self.eps_high:g}]"
@@ -47,7 +42,7 @@ def gspo_loss(
             f"gspo needs [B, T] tensors (its ratio is per sequence), got shape "
             f"{tuple(log_prob.shape)}"
         )
-    bounds = 1.0 - float(params.eps_low), 1.0 + float(params.eps_high)
+    bounds = params.bounds()
     tok = tokens(log_prob, inputs)
     with torch.no_grad():
         n_seq = tok.valid.sum(dim=-1).clamp(min=1).to(tok.r.dtype)

@@ -71,7 +71,13 @@ import importlib
 import pkgutil
 from pathlib import Path
 
-from bapo_cli.algos.bapo import BOUND_SCOPES, BapoParams, bapo_loss, search_inputs
+from bapo_cli.algos.bapo import (
+    BOUND_SCOPES,
+    BapoParams,
+    bapo_loss,
+    inputs_search,
+    search_inputs,
+)
 from bapo_cli.algos.bapo_path import WEIGHTINGS
 from bapo_cli.algos.ce_gppo import CEGPPOParams, ce_gppo_loss
 from bapo_cli.algos.cispo import CISPOParams, cispo_loss
@@ -148,6 +154,7 @@ __all__ = [
     "dppo_kl_loss",
     "dppo_tv_loss",
     "gspo_loss",
+    "inputs_search",
     "kl_cov_loss",
     "m2po_loss",
     "policy_loss",

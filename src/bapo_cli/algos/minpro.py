@@ -31,23 +31,18 @@ import torch
 
 from bapo_cli.algos.contract import Aggregation, RatioInputs
 from bapo_cli.algos.core import REGISTRY, Tensor, check_shapes, clipped_surrogate, prepare_tokens
-from bapo_cli.algos.params import LossParams, check_dual_clip, check_eps, dual_clip_param, param
+from bapo_cli.algos.params import ClipRangeParams, param
 
 # The log of the prefix weight is capped here: e^20 ~ 5e8, finite in every dtype a loss runs in.
 MAX_LOG_PREFIX = 20.0
 
 
 @dataclass(frozen=True)
-class MinPROParams(LossParams):
+class MinPROParams(ClipRangeParams):
     """MinPRO: GRPO's clipped surrogate weighted by the prefix's minimum token ratio."""
 
     eps_low: float = param(0.2, "clip range of the current token's ratio: c_low = 1 - eps_low")
     eps_high: float = param(0.2, "clip range of the current token's ratio: c_high = 1 + eps_high")
-    dual_clip: float | None = dual_clip_param()
-
-    def check(self) -> None:
-        check_eps(self.eps_low, self.eps_high)
-        check_dual_clip(self.dual_clip)
 
     def describe(self) -> str:
         return (
@@ -87,5 +82,4 @@ def minpro_loss(
     adv = check_shapes(log_prob, old, inputs.advantages, mask)
     weight = prefix_min_weight(log_prob, old, mask)
     tok = prepare_tokens(log_prob, old, adv * weight.to(adv.dtype), mask)
-    bounds = 1.0 - float(params.eps_low), 1.0 + float(params.eps_high)
-    return clipped_surrogate(tok, bounds, params.dual_clip, aggregation)
+    return clipped_surrogate(tok, params.bounds(), params.dual_clip, aggregation)

@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from typing import Any
 
 __all__ = [
+    "ClipRangeParams",
     "LossParams",
     "ParamError",
     "check_dual_clip",
@@ -108,3 +109,21 @@ class LossParams:
 
     def describe(self) -> str:
         raise NotImplementedError
+
+
+@dataclasses.dataclass(frozen=True)
+class ClipRangeParams(LossParams):
+    """A loss that clips a ratio to [1 - eps_low, 1 + eps_high] (dual-clipped below for A < 0).
+    A subclass declares eps_low and eps_high again with its own defaults and help."""
+
+    eps_low: float = param(0.2, "lower clip range: c_low = 1 - eps_low")
+    eps_high: float = param(0.2, "upper clip range: c_high = 1 + eps_high")
+    dual_clip: float | None = dual_clip_param()
+
+    def check(self) -> None:
+        check_eps(self.eps_low, self.eps_high)
+        check_dual_clip(self.dual_clip)
+
+    def bounds(self) -> tuple[float, float]:
+        """(c_low, c_high)."""
+        return 1.0 - float(self.eps_low), 1.0 + float(self.eps_high)

@@ -9,10 +9,10 @@ from typing import Any
 from bapo_cli.algos.contract import Aggregation, RatioInputs
 from bapo_cli.algos.core import REGISTRY, Tensor, clipped_surrogate, tokens
 from bapo_cli.algos.params import (
+    ClipRangeParams,
     LossParams,
     ParamError,
     check_dual_clip,
-    check_eps,
     dual_clip_param,
     number,
     param,
@@ -48,19 +48,11 @@ def ppo_loss(
 
 
 @dataclass(frozen=True)
-class ClipHigherParams(LossParams):
+class ClipHigherParams(ClipRangeParams):
     """Decoupled clip range [1 - eps_low, 1 + eps_high] (DAPO's clip-higher)."""
 
     eps_low: float = param(0.2, "lower clip range: c_low = 1 - eps_low")
     eps_high: float = param(0.28, "upper clip range: c_high = 1 + eps_high (DAPO default)")
-    dual_clip: float | None = dual_clip_param()
-
-    def check(self) -> None:
-        check_eps(self.eps_low, self.eps_high)
-        check_dual_clip(self.dual_clip)
-
-    def bounds(self) -> tuple[float, float]:
-        return 1.0 - float(self.eps_low), 1.0 + float(self.eps_high)
 
     def describe(self) -> str:
         return f"[{1 - self.eps_low:g}, {1 + self.eps_high:g}]"

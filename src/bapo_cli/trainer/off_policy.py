@@ -153,7 +153,7 @@ def ratio_inputs(p: Prepared, mode: OffPolicy, logp: Tensor, version: int) -> Ra
         old, behav = loglinear_prox(behaviour, logp, stale), behaviour
     else:
         old, behav = behaviour, None
-    adv, weights, _ = _engine_and_mask_weights(p, mode)
+    adv, weights, _ = _rollout_corrections(p, mode)
     if mode.behav_cap is not None and behav is not None:  # decoupled PPO: pi_prox / pi_behav
         w = behaviour_weights(old, behav, mask, mode.behav_cap)
         adv = (adv if adv.dim() == 2 else adv[:, None]) * w
@@ -164,17 +164,17 @@ def ratio_inputs(p: Prepared, mode: OffPolicy, logp: Tensor, version: int) -> Ra
 def masked_sequences(p: Prepared, mode: OffPolicy) -> Tensor | None:
     """Under rollout.seq_mask, how many of the micro-batch's sequences the mask sets to 0 at
     this use (a 0-dim device tensor: no host sync), else None."""
-    keep = _engine_and_mask_weights(p, mode)[2]
+    keep = _rollout_corrections(p, mode)[2]
     if keep is None:
         return None
     return (~keep & p.mb.mask.any(dim=-1)).sum()
 
 
-def _engine_and_mask_weights(
+def _rollout_corrections(
     p: Prepared, mode: OffPolicy
 ) -> tuple[Tensor, Tensor | None, Tensor | None]:
-    """(A_i times the TIS/MIS weight and the sequence mask, that weight [b, R] or None, the
-    sequences the mask kept [b] or None)."""
+    """The rollout group's corrections: (A_i times the TIS/MIS weight and the sequence mask,
+    that weight [b, R] or None, the sequences the mask kept [b] or None)."""
     adv, weights, keep = p.advantages, None, None
     mask = p.mb.mask
     if mode.tis_cap is not None:  # engine/trainer mismatch: per-token weights

@@ -232,17 +232,9 @@ def solve_bounds(u: _Update, prepared: Sequence[Prepared]) -> tuple[BapoBounds, 
 
 
 def _search_inputs(u: _Update, p: Prepared, logp: Tensor) -> dict[str, Tensor]:
+    """What one micro-batch adds to the update's bound search (no gradient)."""
     inputs = ratio_inputs(p, u.mode, logp.detach(), u.version)
-    params = u.spec.params
-    return losses.search_inputs(
-        logp.detach(),
-        inputs.old_log_prob,
-        inputs.advantages,
-        inputs.mask,
-        dual_clip=params.dual_clip,
-        weighting=params.weighting,
-        rule=params.rule,
-    )
+    return losses.inputs_search(logp.detach(), inputs, u.spec.params)
 
 
 def _backward(
