@@ -68,7 +68,7 @@ def child(spec: dict) -> dict:
     from bapo_cli.models import lora
     from bapo_cli.rollout.base import Sample
     from bapo_cli.rollout.scoring import ResponseLogits, collate
-    from bapo_cli.trainer.update import LossSpec, optimizer_update
+    from bapo_cli.trainer.update import Learner, LossSpec, optimizer_update
 
     torch.manual_seed(0)
     device = torch.device(spec["device"])
@@ -92,19 +92,7 @@ def child(spec: dict) -> dict:
     trainable, total = lora.counts(model)
     scorer = ResponseLogits(model)
     optimizer = torch.optim.AdamW(lora.trainable(model), lr=1e-5)
-    spec_loss = LossSpec(
-        "bapo",
-        {
-            "dual_clip": 3.0,
-            "agg": "token-mean",
-            "rho0": 0.4,
-            "low_range": (0.6, 0.9),
-            "high_range": (1.2, 3.0),
-            "low_step": 0.02,
-            "high_step": 0.05,
-            "weighting": "none",
-        },
-    )
+    spec_loss = LossSpec.of("bapo")  # the paper's search settings
     g = torch.Generator().manual_seed(1)
     samples = []
     for i in range(spec["responses"]):
@@ -114,13 +102,11 @@ def child(spec: dict) -> dict:
         s = Sample(prompt, i // 2, None, response, logprobs, versions=[0] * spec["tokens"])
         s.advantage = 1.0 if i % 2 else -1.0
         samples.append(s)
-    mb = collate(samples, 0, device)
-    mb.advantages = torch.tensor([s.advantage for s in samples], device=device)
+    mb = collate(samples, 0, device)  # advantages from the samples
+    learner = Learner(scorer, optimizer, grad_clip=1.0)
 
     def update() -> None:
-        result = optimizer_update(
-            scorer, optimizer, [mb], spec_loss, temperature=1.0, grad_clip=1.0, version=0
-        )
+        result = optimizer_update(learner, spec_loss, [mb], version=0)
         assert not result.skipped
 
     update()  # warm-up: allocates AdamW's state

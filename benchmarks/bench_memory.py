@@ -162,7 +162,7 @@ def child(spec: dict) -> dict:
     import torch
 
     from bapo_cli.rollout.scoring import ResponseLogits, collate, split_micro
-    from bapo_cli.trainer.update import LossSpec, optimizer_update
+    from bapo_cli.trainer.update import Learner, LossSpec, optimizer_update
 
     torch.set_num_threads(spec["threads"])
     device = torch.device(spec["device"])
@@ -176,20 +176,15 @@ def child(spec: dict) -> dict:
     else:
         scorer = _full_logits_scorer(model, spec["path"], autocast)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
-    spec_loss = LossSpec("ppo", {"dual_clip": 3.0, "agg": "token-mean", "eps": 0.2})
+    spec_loss = LossSpec.of("ppo", eps=0.2)
 
     def update(samples) -> tuple[dict, float]:
-        micro = []
-        for part in split_micro(samples, size=spec["micro_size"], tokens=spec["micro_tokens"]):
-            mb = collate(part, 0, device)
-            mb.advantages = torch.tensor([s.advantage for s in part], device=device)
-            micro.append(mb)
+        parts = split_micro(samples, size=spec["micro_size"], tokens=spec["micro_tokens"])
+        micro = [collate(part, 0, device) for part in parts]  # advantages from the samples
         if device.type == "cuda":
             torch.cuda.synchronize()
         t0 = time.perf_counter()
-        result = optimizer_update(
-            scorer, optimizer, micro, spec_loss, temperature=1.0, grad_clip=1.0, version=0
-        )
+        result = optimizer_update(Learner(scorer, optimizer, grad_clip=1.0), spec_loss, micro, 0)
         if device.type == "cuda":
             torch.cuda.synchronize()
         padded = sum(mb.padded_tokens for mb in micro)

@@ -28,7 +28,7 @@ from bapo_cli.algos.advantages import REGISTRY as ADVANTAGES
 from bapo_cli.rollout.base import Sample
 from bapo_cli.rollout.scoring import ResponseLogits, collate, token_logprobs
 from bapo_cli.trainer import distributed
-from bapo_cli.trainer.update import loss_spec, optimizer_update
+from bapo_cli.trainer.update import Learner, loss_spec, optimizer_update
 
 # hidden, layers, heads, kv heads, intermediate, vocab (Qwen2.5 shapes; tiny = a test model)
 SHAPES = {
@@ -122,14 +122,11 @@ def main() -> None:
         scorer = ctx.wrap(ResponseLogits(model, autocast), compute)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
         spec = loss_spec(algo_config(algo))
-        micro = [
+        micro = [  # advantages from the samples
             collate(samples[i : i + args.micro], 0, device)
             for i in range(0, len(samples), args.micro)
         ]
-        for mb in micro:
-            mb.advantages = torch.tensor(
-                [s.advantage for s in mb.samples], dtype=torch.float32, device=device
-            )
+        learner = Learner(scorer, optimizer, grad_clip=1.0, ctx=ctx)
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats()
         times, result = [], None
@@ -137,16 +134,7 @@ def main() -> None:
             if device.type == "cuda":
                 torch.cuda.synchronize()
             t0 = time.perf_counter()
-            result = optimizer_update(
-                scorer,
-                optimizer,
-                micro,
-                spec,
-                temperature=1.0,
-                grad_clip=1.0,
-                version=1,
-                dist_ctx=ctx,
-            )
+            result = optimizer_update(learner, spec, micro, version=1)
             if device.type == "cuda":
                 torch.cuda.synchronize()
             if i:

@@ -1,7 +1,7 @@
 """Adding a loss is its function, its params dataclass and a YAML: nothing else changes.
 
 A toy loss registered here, in a test module, gets its `_toy_schema` from the registry, composes
-from a YAML, validates with its own rules, maps onto the loss's arguments, describes itself in the
+from a YAML, validates with its own rules, reads its params from the config, describes itself in the
 run plan, and trains through the unchanged `optimizer_update` with the full metric set.
 """
 
@@ -14,27 +14,25 @@ import pytest
 import torch
 
 from bapo_cli.algos import losses
-from bapo_cli.algos.params import ParamError, param
+from bapo_cli.algos.params import LossParams, ParamError, dual_clip_param, param
 from bapo_cli.config import hydra_runner, schema
 from bapo_cli.config.errors import ConfigError
 from bapo_cli.config.preflight import to_validated
 from bapo_cli.launch import plan
 from bapo_cli.rollout.scoring import ResponseLogits, collate
 from bapo_cli.trainer.step_metrics import step_metrics
-from bapo_cli.trainer.update import loss_spec, optimizer_update
+from bapo_cli.trainer.update import Learner, loss_spec, optimizer_update
 from tests.algos.test_losses import LOSS_METRICS
 from tests.train.test_distributed import _global_batch, _model
 
 
 @dataclass(frozen=True)
-class ToyParams:
+class ToyParams(LossParams):
     """Toy: fixed bounds written as the bounds themselves."""
 
     c_low: float = param(0.7, "lower clip bound")
     c_high: float = param(1.5, "upper clip bound")
-
-    def __post_init__(self) -> None:
-        self.check()
+    dual_clip: float | None = dual_clip_param()  # the algo group's option, read by name
 
     def check(self) -> None:
         if not 0.0 < self.c_low <= 1.0:
@@ -46,31 +44,10 @@ class ToyParams:
         return f"toy [{self.c_low:g}, {self.c_high:g}]"
 
 
-def toy_loss(
-    log_prob,
-    old_log_prob,
-    advantages,
-    mask,
-    *,
-    c_low: float = ToyParams.c_low,
-    c_high: float = ToyParams.c_high,
-    dual_clip=3.0,
-    agg="token-mean",
-    global_tokens=None,
-    global_seqs=None,
-    norm_len=None,
-):
-    ToyParams(c_low=c_low, c_high=c_high)
-    tok = losses.prepare_tokens(log_prob, old_log_prob, advantages, mask)
+def toy_loss(log_prob, inputs, params, aggregation):
+    tok = losses.tokens(log_prob, inputs)
     return losses.clipped_surrogate(
-        tok,
-        c_low,
-        c_high,
-        dual_clip=dual_clip,
-        agg=agg,
-        global_tokens=global_tokens,
-        global_seqs=global_seqs,
-        norm_len=norm_len,
+        tok, (params.c_low, params.c_high), params.dual_clip, aggregation
     )
 
 
@@ -110,7 +87,8 @@ def test_a_registered_loss_composes_validates_and_maps_to_its_arguments(toy) -> 
     assert (cfg.algo.c_low, cfg.algo.c_high) == (0.7, 1.8)  # params default, YAML value
     spec = loss_spec(cfg.algo)
     assert spec.name == "toy" and not spec.searches_bounds
-    assert spec.params == {"dual_clip": 3.0, "agg": "token-mean", "c_low": 0.7, "c_high": 1.8}
+    assert spec.params == ToyParams(c_low=0.7, c_high=1.8, dual_clip=3.0)
+    assert (spec.agg, spec.dual_clip) == ("token-mean", 3.0)
     assert plan.describe_clip(cfg.algo) == "toy [0.7, 1.8]"
     # its own rule, reported as a config error under algo.
     with pytest.raises(ConfigError) as info:
@@ -128,14 +106,10 @@ def test_a_registered_loss_trains_through_the_unchanged_update(toy) -> None:
     before = [p.detach().clone() for p in model.parameters()]
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
     samples = _global_batch(model)
-    micro = []
-    for i in range(0, len(samples), 12):
-        mb = collate(samples[i : i + 12], 0, torch.device("cpu"))
-        mb.advantages = torch.tensor([s.advantage for s in mb.samples])
-        micro.append(mb)
-    result = optimizer_update(
-        ResponseLogits(model), optimizer, micro, spec, temperature=1.0, grad_clip=None, version=0
-    )
+    micro = [
+        collate(samples[i : i + 12], 0, torch.device("cpu")) for i in range(0, len(samples), 12)
+    ]
+    result = optimizer_update(Learner(ResponseLogits(model), optimizer), spec, micro, version=0)
     m = result.metrics
     assert set(m) >= LOSS_METRICS
     assert (m["c_low"], m["c_high"], m["search_steps"]) == (0.9, 1.1, 0.0)
@@ -164,11 +138,11 @@ def test_a_registered_loss_trains_through_the_unchanged_update(toy) -> None:
 
 
 def test_a_loss_that_breaks_the_protocol_fails_at_registration() -> None:
-    def no_c_high(log_prob, old_log_prob, advantages, mask, *, c_low=0.7, **_common):
+    def keyword_params(log_prob, old_log_prob, advantages, mask, *, c_low=0.7, **_common):
         raise AssertionError("never called")
 
-    with pytest.raises(TypeError, match="takes no c_high"):
-        losses.REGISTRY.register("broken", params=ToyParams)(no_c_high)
+    with pytest.raises(TypeError, match=r"a loss takes \(log_prob, inputs, params, aggregation\)"):
+        losses.REGISTRY.register("broken", params=ToyParams)(keyword_params)
     assert "broken" not in losses.REGISTRY
     with pytest.raises(TypeError, match="BoundSearch params"):
         losses.REGISTRY.register("broken", params=ToyParams, searches_bounds=True)(toy_loss)

@@ -19,7 +19,7 @@ from bapo_cli.algos.bounds import (
     BapoBounds,
     BoundAccumulator,
     BoundPath,
-    _Locator,
+    Locator,
     adaptive_bounds,
 )
 
@@ -400,7 +400,7 @@ def test_agrees_with_naive_search_on_a_large_batch():
 )
 def test_locator_counts_like_bucketize(table, keys, dtype, modes):
     table = torch.tensor(sorted(table), dtype=dtype)
-    loc = _Locator(table, modes=modes)
+    loc = Locator(table, modes=modes)
     assert loc.mode in (*modes, "bucketize")
     probe = torch.cat([torch.tensor(keys, dtype=dtype), table, torch.nextafter(table, -table)])
     probe = torch.cat([probe, torch.tensor([0.0, 1e30, -1e30, math.inf, -math.inf], dtype=dtype)])
@@ -413,7 +413,7 @@ def test_locator_counts_like_bucketize(table, keys, dtype, modes):
 def test_locator_modes_on_the_paper_table(dtype, modes):
     acc = BoundAccumulator(dual_clip=3.0)
     table = acc._locator(dtype, torch.device("cpu")).table
-    loc = _Locator(table, modes=modes)
+    loc = Locator(table, modes=modes)
     assert loc.mode == (modes[0] if modes else "bucketize")
     g = torch.Generator().manual_seed(0)
     probe = torch.cat(
@@ -428,8 +428,8 @@ def test_locator_modes_on_the_paper_table(dtype, modes):
 
 
 def test_locator_falls_back_for_crowded_tables():
-    assert _Locator(torch.tensor([0.0, 1.0, 1.0, 2.0])).mode == "bucketize"  # equal values
-    assert _Locator(torch.tensor([0.0, 1e-7, 2.0]), modes=("scaled",)).mode == "bucketize"
+    assert Locator(torch.tensor([0.0, 1.0, 1.0, 2.0])).mode == "bucketize"  # equal values
+    assert Locator(torch.tensor([0.0, 1e-7, 2.0]), modes=("scaled",)).mode == "bucketize"
     tiny = BoundAccumulator(low_range=(0.5, 0.9), low_step=1e-5)
     tiny.add(torch.tensor([0.7, 1.3]), torch.tensor([-1.0, 1.0]), torch.ones(2))
     assert tiny.solve(0.5).c_high == 1.35

@@ -96,8 +96,7 @@ def test_sign_table_of_the_four_quadrants(quadrant):
         lp[tokens][None],
         adv[None],
         torch.ones(1, 1, dtype=torch.bool),
-        c_low=0.8,
-        c_high=1.2,
+        bounds=(0.8, 1.2),
         threshold_log_prob=(lp.exp() * lp).sum(),
     )
     assert table[f"{quadrant}_active"].item() == 1.0
@@ -122,7 +121,7 @@ def test_quadrant_table_adds_up():
     lp = old + torch.randn(8, 16, generator=g) * 0.4
     adv = torch.randn(8, generator=g)
     mask = torch.rand(8, 16, generator=g) < 0.8
-    table = quadrant_table(lp, old, adv, mask, c_low=0.8, c_high=1.28)
+    table = quadrant_table(lp, old, adv, mask, bounds=(0.8, 1.28))
     counts = [table[k] for k in QUADRANT_KEYS]
     shares = [table[f"{k}_mass"] for k in QUADRANT_KEYS]
     assert set(table) == set(QUADRANT_KEYS) | {f"{k}_mass" for k in QUADRANT_KEYS}

@@ -9,7 +9,7 @@ import torch
 from bapo_cli.rollout.base import FINISH_STOP, Generation, Request, Sample, SamplingParams
 from bapo_cli.rollout.collect import Collector
 from bapo_cli.rollout.scoring import collate
-from bapo_cli.trainer.update import tis_weights
+from bapo_cli.trainer.off_policy import tis_weights
 
 
 def sample(trainer: list[float], engine: list[float]) -> Sample:

@@ -16,7 +16,7 @@ from bapo_cli.config.schema import LoraConfig
 from bapo_cli.models import lora
 from bapo_cli.rollout.base import Request, Sample, SamplingParams
 from bapo_cli.rollout.scoring import ResponseLogits, collate
-from bapo_cli.trainer.update import LossSpec, optimizer_update
+from bapo_cli.trainer.update import Learner, LossSpec, optimizer_update
 from tests.rollout.conftest import trainer_logprobs
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
@@ -51,22 +51,15 @@ def test_engine_samples_the_merged_policy_after_a_lora_update(engine, policy, tr
             response_ids=list(g.token_ids),
             logprobs=list(g.logprobs),
             versions=[0] * len(g.token_ids),
+            advantage=1.0 if i % 2 else -1.0,
         )
         for i, (r, g) in enumerate(zip(reqs, gens, strict=True))
     ]
     mb = collate(samples, tokenizer.pad_token_id, torch.device("cpu"))
-    mb.advantages = torch.tensor([1.0 if i % 2 else -1.0 for i in range(len(samples))])
     optimizer = torch.optim.AdamW(lora.trainable(adapted), lr=0.05)
     base_before = {n: p.detach().clone() for n, p in adapted.named_parameters() if "lora_" not in n}
-    result = optimizer_update(
-        ResponseLogits(adapted),
-        optimizer,
-        [mb],
-        LossSpec("ppo", {"dual_clip": 3.0, "agg": "token-mean", "eps": 0.2}),
-        temperature=1.0,
-        grad_clip=None,
-        version=0,
-    )
+    learner = Learner(ResponseLogits(adapted), optimizer)
+    result = optimizer_update(learner, LossSpec.of("ppo", eps=0.2), [mb], version=0)
     assert not result.skipped
     for n, p in adapted.named_parameters():  # only the adapters moved
         if "lora_" not in n:

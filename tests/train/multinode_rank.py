@@ -18,7 +18,7 @@ from bapo_cli.rollout.base import Sample
 from bapo_cli.rollout.scoring import ResponseLogits, collate
 from bapo_cli.trainer import distributed
 from bapo_cli.trainer.distributed import DistContext
-from bapo_cli.trainer.update import optimizer_update
+from bapo_cli.trainer.update import Learner, optimizer_update
 from tests.train.test_distributed import SPEC, _chunks, _global_batch, _model
 
 
@@ -30,14 +30,8 @@ def update(samples: list[Sample], ctx: DistContext, micro_size: int, use_lora: b
         model = lora.apply(model, LoraConfig(rank=4, alpha=8.0))
     scorer = ctx.wrap(ResponseLogits(model))
     optimizer = torch.optim.SGD(lora.trainable(model), lr=0.5)
-    micro = []
-    for chunk in _chunks(samples, micro_size):
-        mb = collate(chunk, 0, torch.device("cpu"))
-        mb.advantages = torch.tensor([s.advantage for s in mb.samples])
-        micro.append(mb)
-    result = optimizer_update(
-        scorer, optimizer, micro, SPEC, temperature=1.0, grad_clip=None, version=0, dist_ctx=ctx
-    )
+    micro = [collate(chunk, 0, torch.device("cpu")) for chunk in _chunks(samples, micro_size)]
+    result = optimizer_update(Learner(scorer, optimizer, ctx=ctx), SPEC, micro, version=0)
     return result.metrics, [p.detach().clone() for p in lora.trainable(model)]
 
 

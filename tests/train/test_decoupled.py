@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from bapo_cli.config.preflight import PreflightError, preflight
-from bapo_cli.trainer.update import behaviour_weights
+from bapo_cli.trainer.off_policy import behaviour_weights
 from tests.train.conftest import run_train
 
 

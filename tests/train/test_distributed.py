@@ -17,7 +17,7 @@ from bapo_cli.algos.advantages import REGISTRY as ADVANTAGES
 from bapo_cli.rollout.base import Sample
 from bapo_cli.rollout.scoring import ResponseLogits, collate, token_logprobs
 from bapo_cli.trainer.distributed import DistContext
-from bapo_cli.trainer.update import LossSpec, optimizer_update
+from bapo_cli.trainer.update import Learner, LossSpec, optimizer_update
 from tests.conftest import run_bapo
 
 GROUPS, N = 8, 4
@@ -71,7 +71,7 @@ SEARCH = {
     "high_step": 0.05,
     "weighting": "none",
 }
-SPEC = LossSpec("bapo", {"dual_clip": 3.0, "agg": "token-mean", **SEARCH})
+SPEC = LossSpec.of("bapo", dual_clip=3.0, agg="token-mean", **SEARCH)
 
 
 def _chunks(samples: list[Sample], micro_size: int) -> list[list[Sample]]:
@@ -90,14 +90,8 @@ def _update_chunks(
     model = _model()
     scorer = ctx.wrap(ResponseLogits(model))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
-    micro = []
-    for chunk in chunks:
-        mb = collate(chunk, 0, torch.device("cpu"))
-        mb.advantages = torch.tensor([s.advantage for s in mb.samples])
-        micro.append(mb)
-    result = optimizer_update(
-        scorer, optimizer, micro, spec, temperature=1.0, grad_clip=None, version=0, dist_ctx=ctx
-    )
+    micro = [collate(chunk, 0, torch.device("cpu")) for chunk in chunks]  # A_i from samples
+    result = optimizer_update(Learner(scorer, optimizer, ctx=ctx), spec, micro, version=0)
     # the share of the weights this rank stores: all of them (DDP) or about 1/W (FSDP2)
     local = sum(getattr(p, "_local_tensor", p).numel() for p in model.parameters())
     result.metrics["stored_fraction"] = local / sum(p.numel() for p in model.parameters())
@@ -158,7 +152,7 @@ def test_two_gloo_ranks_match_one_process_on_the_global_batch(tmp_path: Path, st
         assert torch.equal(a, b)  # ranks stay in lockstep
 
 
-MICRO_SPEC = LossSpec("bapo", SPEC.params, bound_scope="microbatch")  # algo.bound_scope=microbatch
+MICRO_SPEC = LossSpec.of("bapo", dual_clip=3.0, bound_scope="microbatch", **SEARCH)
 UNEVEN = {0: {0, 1, 2, 3, 4, 5}, 1: {6, 7}}  # groups per rank: 4 micro-batches vs 2
 
 

@@ -28,7 +28,7 @@ from bapo_cli.rollout.scoring import (
     split_to_count,
     token_logprobs,
 )
-from bapo_cli.trainer.update import LossSpec, optimizer_update
+from bapo_cli.trainer.update import Learner, LossSpec, optimizer_update
 from tests.train.test_chunked_logprobs import _qwen
 from tests.train.test_distributed import SEARCH
 
@@ -125,10 +125,10 @@ def _batch(lengths: list[tuple[int, int]], seed: int) -> list[Sample]:
 
 
 SPECS = {
-    "ppo": LossSpec("ppo", {"dual_clip": 3.0, "agg": "token-mean", "eps": 0.2}),
-    "bapo": LossSpec("bapo", {"dual_clip": 3.0, "agg": "token-mean", **SEARCH}),
-    "bapo+kl": LossSpec("bapo", {"dual_clip": 3.0, "agg": "token-mean", **SEARCH}, kl_coef=0.1),
-    "ppo-seq-mean": LossSpec("ppo", {"dual_clip": 3.0, "agg": "seq-mean-token-mean", "eps": 0.2}),
+    "ppo": LossSpec.of("ppo", eps=0.2),
+    "bapo": LossSpec.of("bapo", **SEARCH),
+    "bapo+kl": LossSpec.of("bapo", **SEARCH, kl_coef=0.1),
+    "ppo-seq-mean": LossSpec.of("ppo", agg="seq-mean-token-mean", eps=0.2),
 }
 
 
@@ -136,21 +136,10 @@ def _update(samples: list[Sample], spec: LossSpec, tokens: int | None):
     model = _model()
     ref = ResponseLogits(copy.deepcopy(model).requires_grad_(False)) if spec.kl_coef else None
     optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
-    micro = []
-    for part in split_micro(samples, size=len(samples), tokens=tokens):
-        mb = collate(part, 0, torch.device("cpu"))
-        mb.advantages = torch.tensor([s.advantage for s in part])
-        micro.append(mb)
-    result = optimizer_update(
-        ResponseLogits(model, chunk=7),
-        optimizer,
-        micro,
-        spec,
-        temperature=1.0,
-        grad_clip=None,
-        version=1,
-        ref_model=ref,
-    )
+    parts = split_micro(samples, size=len(samples), tokens=tokens)
+    micro = [collate(part, 0, torch.device("cpu")) for part in parts]  # A_i from the samples
+    learner = Learner(ResponseLogits(model, chunk=7), optimizer, ref_model=ref)
+    result = optimizer_update(learner, spec, micro, version=1)
     return result.metrics, [p.detach().clone() for p in model.parameters()], len(micro)
 
 

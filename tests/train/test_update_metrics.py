@@ -4,6 +4,7 @@ gradient that moves nothing (weights, AdamW state, policy version)."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -13,10 +14,10 @@ from bapo_cli.rollout.scoring import ResponseLogits, collate, token_logprobs
 from bapo_cli.trainer.optimize import account_update
 from bapo_cli.trainer.run import TrainState
 from bapo_cli.trainer.step_metrics import step_metrics
-from bapo_cli.trainer.update import LossSpec, UpdateResult, optimizer_update
+from bapo_cli.trainer.update import Learner, LossSpec, UpdateResult, optimizer_update
 from tests.train.test_distributed import SPEC, _global_batch, _model
 
-PPO = LossSpec("ppo", {"dual_clip": 3.0, "agg": "token-mean", "eps": 0.2})
+PPO = LossSpec.of("ppo", eps=0.2)
 
 
 def _update(rho_pos, rho_neg, pos_before, neg_before, steps, no_grad=0.0) -> dict[str, float]:
@@ -84,14 +85,13 @@ def _micro(model: torch.nn.Module, samples: list[Sample], case: str):
     the dual clip)."""
     micro = []
     for i in range(0, len(samples), 12):
-        mb = collate(samples[i : i + 12], 0, torch.device("cpu"))
-        mb.advantages = torch.tensor([s.advantage for s in mb.samples])
+        mb = collate(samples[i : i + 12], 0, torch.device("cpu"))  # A_i from the samples
         if case == "zero_advantages":
-            mb.advantages = torch.zeros_like(mb.advantages)
+            mb = dataclasses.replace(mb, advantages=torch.zeros_like(mb.advantages))
         elif case == "far_outside":
             with torch.no_grad():
                 logp, _ = token_logprobs(model, mb, 1.0)
-            mb.old_log_prob = torch.where(mb.mask, logp - 5.0, 0.0)
+            mb = dataclasses.replace(mb, old_log_prob=torch.where(mb.mask, logp - 5.0, 0.0))
         micro.append(mb)
     return micro
 
@@ -104,16 +104,8 @@ def _state(model, optimizer) -> list[torch.Tensor]:
 
 
 def _run(model, optimizer, micro, spec, ref=None) -> UpdateResult:
-    return optimizer_update(
-        ResponseLogits(model),
-        optimizer,
-        micro,
-        spec,
-        temperature=1.0,
-        grad_clip=1.0,
-        version=0,
-        ref_model=ref,
-    )
+    learner = Learner(ResponseLogits(model), optimizer, grad_clip=1.0, ref_model=ref)
+    return optimizer_update(learner, spec, micro, version=0)
 
 
 @pytest.mark.parametrize("case", ["zero_advantages", "far_outside"])
@@ -156,7 +148,7 @@ def test_a_kl_term_keeps_gradient_when_every_token_is_clipped() -> None:
     samples = _global_batch(model)
     _run(model, optimizer, _micro(model, samples, "normal"), PPO)  # the policy leaves the ref
     before = _state(model, optimizer)
-    spec = LossSpec(PPO.name, PPO.params, kl_coef=0.1)
+    spec = dataclasses.replace(PPO, kl_coef=0.1)
     ref = ResponseLogits(copy.deepcopy(_model()))
     result = _run(model, optimizer, _micro(model, samples, "far_outside"), spec, ref=ref)
     assert result.metrics["active_tokens"] == 0 and result.metrics["ref_kl"] > 0

@@ -18,17 +18,17 @@ from bapo_cli.algos.bapo_path import (
     compute_dtype,
     range_pair,
 )
+from bapo_cli.algos.contract import Aggregation, RatioInputs
 from bapo_cli.algos.core import (
     REGISTRY,
     Tensor,
     Tokens,
-    _check_agg,
-    _check_dual_clip,
-    _rounded,
     clipped_surrogate,
     prepare_tokens,
+    rounded,
+    tokens,
 )
-from bapo_cli.algos.params import ParamError, one_of, param
+from bapo_cli.algos.params import ParamError, check_dual_clip, dual_clip_param, one_of, param
 
 
 def _search_key_mass(tok: Tokens, old_log_prob: Tensor, weighting: str) -> tuple[Tensor, Tensor]:
@@ -65,11 +65,25 @@ def search_inputs(
         tok = prepare_tokens(log_prob, old_log_prob, advantages, mask)
         keep = tok.valid
         if dual_clip is not None and rule == "paper":
-            keep = keep & ~(tok.neg & (tok.r >= _rounded(dual_clip, tok.r)))
+            keep = keep & ~(tok.neg & (tok.r >= rounded(dual_clip, tok.r)))
         weights = None
         if weighting == "rollout_prob":
             weights = torch.where(tok.valid, old_log_prob.detach().exp(), 0.0)
     return {"ratio": tok.r, "advantages": tok.adv, "mask": keep, "weights": weights}
+
+
+def inputs_search(log_prob: Tensor, inputs: RatioInputs, params: BapoParams) -> dict[str, Tensor]:
+    """`search_inputs` of a loss call's inputs with the loss's settings: what the trainer's
+    per-update search adds per micro-batch, and the recipe's search on one call."""
+    return search_inputs(
+        log_prob,
+        inputs.old_log_prob,
+        inputs.advantages,
+        inputs.mask,
+        dual_clip=params.dual_clip,
+        weighting=params.weighting,
+        rule=params.rule,
+    )
 
 
 BOUND_SCOPES = ("minibatch", "microbatch")
@@ -81,14 +95,18 @@ class BapoParams(BoundSearch):
 
     The search's settings are `BoundSearch`'s (paper defaults); training also keeps the bounds a
     trust region around r = 1 (c_low within (0, 1], c_high >= 1) and chooses where to search.
+    `bounds` (not a config key): the bounds the trainer solved over the whole update, or None to
+    search the call's own tokens, summed over the ranks of `group` when given.
     """
 
     bound_scope: str = param(
         "minibatch",
         "minibatch = paper (one search per optimizer step over all micro-batches and ranks); "
         "microbatch = cheaper approximation, one search per micro-batch of each rank",
-        trainer=True,
     )
+    dual_clip: float | None = dual_clip_param()
+    bounds: BapoBounds | None = param(None, "bounds solved by the caller", runtime=True)
+    group: Any = param(None, "ranks the call's own search sums over", runtime=True)
 
     def check(self) -> None:
         low, high = (
@@ -101,6 +119,9 @@ class BapoParams(BoundSearch):
             raise ParamError("high_range", self.high_range, "c_high must stay >= 1")
         super().check()
         one_of("bound_scope", self.bound_scope, BOUND_SCOPES)
+        check_dual_clip(self.dual_clip)
+        if self.bounds is not None and not isinstance(self.bounds, BapoBounds):
+            raise ParamError("bounds", self.bounds, "must be a BapoBounds or None")
 
     def describe(self) -> str:
         lo, hi = self.low_range, self.high_range
@@ -116,81 +137,33 @@ class BapoParams(BoundSearch):
         )
 
 
+def _search(log_prob: Tensor, inputs: RatioInputs, tok: Tokens, params: BapoParams) -> BapoBounds:
+    """Algorithm 1 on this call's tokens (all-reduced over `params.group` if given)."""
+    acc = params.accumulator(params.dual_clip)
+    if isinstance(acc, BoundAccumulator):
+        key, mass = _search_key_mass(tok, inputs.old_log_prob, params.weighting)
+        acc.add_keyed(key, mass, tok.r.dtype)
+    else:  # the recipe's search also sums |A| per bin: the plain interface
+        acc.add(**inputs_search(log_prob, inputs, params))
+    return acc.solve(params.rho0, group=params.group)
+
+
 @REGISTRY.register("bapo", params=BapoParams, searches_bounds=True)
 def bapo_loss(
-    log_prob: Tensor,
-    old_log_prob: Tensor,
-    advantages: Tensor,
-    mask: Tensor,
-    *,
-    rho0: float = PAPER.rho0,
-    low_range: tuple[float, float] = PAPER.low_range,
-    high_range: tuple[float, float] = PAPER.high_range,
-    low_step: float = PAPER.low_step,
-    high_step: float = PAPER.high_step,
-    weighting: str = PAPER.weighting,
-    rule: str = PAPER.rule,
-    bounds: BapoBounds | None = None,
-    group: Any = None,
-    dual_clip: float | None = 3.0,
-    agg: str = "token-mean",
-    global_tokens: float | Tensor | None = None,
-    global_seqs: float | Tensor | None = None,
-    norm_len: float | None = None,
+    log_prob: Tensor, inputs: RatioInputs, params: BapoParams, aggregation: Aggregation
 ) -> tuple[Tensor, dict[str, Any]]:
     """BAPO: the clipped surrogate with bounds chosen by Algorithm 1 (see `bounds`).
 
-    bounds=None searches on this call's tokens (all-reduced over `group` if given): called once
-    per optimizer step that is the paper's method; called per micro-batch it is the cheaper
-    per-micro-batch approximation. For the exact per-step search with gradient accumulation,
-    sum a `BoundAccumulator` over the micro-batches (`search_inputs`), `solve` once and pass the
-    result as `bounds` (then rho0, ranges, steps, weighting and group are not used).
-    The search settings (rho0 ... weighting) are `bounds.BoundSearch`'s, with its defaults.
+    params.bounds=None searches on this call's tokens: called once per optimizer step that is
+    the paper's method; called per micro-batch it is the cheaper per-micro-batch approximation.
+    For the exact per-step search with gradient accumulation, sum a `BoundAccumulator` over the
+    micro-batches (`search_inputs`), `solve` once and pass the result as params.bounds (then
+    the search settings and group are not used).
     """
-    _check_agg(agg, log_prob.dim())
-    if bounds is None:
-        search = BoundSearch(
-            rho0=rho0,
-            low_range=low_range,
-            high_range=high_range,
-            low_step=low_step,
-            high_step=high_step,
-            weighting=weighting,
-            rule=rule,
-        )
-        dual_clip = _check_dual_clip(dual_clip, search.path().low_values[-1])
-        acc = search.accumulator(dual_clip)
-        tok = prepare_tokens(log_prob, old_log_prob, advantages, mask)
-        if isinstance(acc, BoundAccumulator):
-            key, mass = _search_key_mass(tok, old_log_prob, search.weighting)
-            acc.add_keyed(key, mass, tok.r.dtype)
-        else:  # the recipe's search also sums |A| per bin: the plain interface
-            acc.add(
-                **search_inputs(
-                    log_prob,
-                    old_log_prob,
-                    advantages,
-                    mask,
-                    dual_clip=dual_clip,
-                    weighting=search.weighting,
-                    rule=search.rule,
-                )
-            )
-        bounds = acc.solve(search.rho0, group=group)
-    elif not isinstance(bounds, BapoBounds):
-        raise ParamError("bounds", bounds, "must be a BapoBounds or None")
-    else:
-        dual_clip = _check_dual_clip(dual_clip, bounds.c_low)
-        tok = prepare_tokens(log_prob, old_log_prob, advantages, mask)
+    tok = tokens(log_prob, inputs)
+    bounds = params.bounds if params.bounds is not None else _search(log_prob, inputs, tok, params)
     loss, metrics = clipped_surrogate(
-        tok,
-        bounds.c_low,
-        bounds.c_high,
-        dual_clip=dual_clip,
-        agg=agg,
-        global_tokens=global_tokens,
-        global_seqs=global_seqs,
-        norm_len=norm_len,
+        tok, (bounds.c_low, bounds.c_high), params.dual_clip, aggregation
     )
     metrics.update(
         c_low=bounds.c_low,

@@ -1,5 +1,5 @@
 """BAPO's Algorithm 1 as the paper writes it: the per-bin sums (`BoundAccumulator`, the
-`PathAccumulator` of rule "paper") and the walk along the path (`_solve`). The semantics, choices
+`PathAccumulator` of rule "paper") and the walk along the path (`walk`). The semantics, choices
 and how the one pass works: `bounds`."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from bapo_cli.algos.bapo_locator import _keyed_inputs, _Locator, _locator
+from bapo_cli.algos.bapo_locator import Locator, build_locator, keyed_inputs
 from bapo_cli.algos.bapo_path import (
     PAPER,
     BapoBounds,
@@ -19,7 +19,7 @@ from bapo_cli.algos.bapo_path import (
 )
 
 
-def _rho_curve(path: BoundPath, sums: list[float]) -> tuple[list[float], list[float], bool]:
+def rho_curve(path: BoundPath, sums: list[float]) -> tuple[list[float], list[float], bool]:
     """From the per-bin sums (K + 3 numbers, host side; touches no token) return P after each
     number of c_high steps, N after each number of c_low steps, and whether any mass-carrying
     token changes activity strictly inside the path.
@@ -46,9 +46,9 @@ def _rho_curve(path: BoundPath, sums: list[float]) -> tuple[list[float], list[fl
     return pos_at, neg_at, changes
 
 
-def _solve(path: BoundPath, sums: list[float], rho0: float) -> BapoBounds:
+def walk(path: BoundPath, sums: list[float], rho0: float) -> BapoBounds:
     """Walk Algorithm 1 on the per-bin sums."""
-    pos_at, neg_at, changes = _rho_curve(path, sums)
+    pos_at, neg_at, changes = rho_curve(path, sums)
     n_h = path.n_high
 
     def sums_at(k: int) -> tuple[float, float]:
@@ -92,9 +92,9 @@ class BoundAccumulator(PathAccumulator, rule="paper"):
     the vector lives on the rank's device).
     """
 
-    def _locator(self, dtype: torch.dtype, device: torch.device) -> _Locator:
+    def _locator(self, dtype: torch.dtype, device: torch.device) -> Locator:
         path = self.path
-        return _locator(path.low_values, path.high_values, self.dual_clip, dtype, device)
+        return build_locator(path.low_values, path.high_values, self.dual_clip, dtype, device)
 
     def add(
         self,
@@ -109,7 +109,7 @@ class BoundAccumulator(PathAccumulator, rule="paper"):
         token counts; weights: optional w >= 0 per token. Tokens whose r, A or w is not finite (or
         whose product w * r * A overflows) are left out. No host sync.
         """
-        key, m, _ = _keyed_inputs(ratio, advantages, mask, weights)
+        key, m, _ = keyed_inputs(ratio, advantages, mask, weights)
         self.add_keyed(key, m, ratio.dtype)
 
     def add_keyed(self, key: torch.Tensor, mass: torch.Tensor, dtype: torch.dtype) -> None:
@@ -139,7 +139,7 @@ class BoundAccumulator(PathAccumulator, rule="paper"):
         which to sum the vectors first; None = this process only.
         """
         rho0 = check_rho0(rho0)
-        return _solve(self.path, self._host_sums(group), rho0)
+        return walk(self.path, self._host_sums(group), rho0)
 
     def _host_sums(self, group: Any) -> list[float]:
         """All-reduce (optional) and read the sums to the host: the one sync of the search."""
@@ -148,7 +148,7 @@ class BoundAccumulator(PathAccumulator, rule="paper"):
     def rho_along_path(self, group: Any = None) -> list[float]:
         """rho at every path point (K numbers, one host read): for logging the curve or checking
         it. Non-decreasing up to float rounding."""
-        pos_at, neg_at, _ = _rho_curve(self.path, self._host_sums(group))
+        pos_at, neg_at, _ = rho_curve(self.path, self._host_sums(group))
         n_h = self.path.n_high
         return [
             rho_from_sums(pos_at[min(k, n_h)], neg_at[max(0, k - n_h)])

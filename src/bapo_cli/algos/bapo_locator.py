@@ -1,5 +1,5 @@
-"""Where each token changes activity along the bound path, in one table look-up (`_Locator`),
-and the clean (key, mass, weight) inputs both searches bin (`_keyed_inputs`)."""
+"""Where each token changes activity along the bound path, in one table look-up (`Locator`),
+and the clean (key, mass, weight) inputs both searches bin (`keyed_inputs`)."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ def _check_same_shape(reference: str, tensors: dict[str, torch.Tensor | None]) -
             raise ValueError(f"{name} has shape {tuple(t.shape)}, expected {tuple(shape)}")
 
 
-class _Locator:
+class Locator:
     """count(key) = #{u in table: u <= key}, exactly; what `torch.bucketize(key, table,
     right=True)` returns, but with a few elementwise ops and two table look-ups instead of a
     binary search (the search is the hot loop of the bound search).
@@ -82,8 +82,8 @@ class _Locator:
         h = float(self.half)
         return (key * self.scale).clamp_(-h, h).add_(h).to(torch.int32)
 
-    def to(self, device: torch.device) -> _Locator:
-        out = _Locator.__new__(_Locator)
+    def to(self, device: torch.device) -> Locator:
+        out = Locator.__new__(Locator)
         out.__dict__.update(self.__dict__)
         out.table = self.table.to(device)
         if self.mode != "bucketize":
@@ -106,13 +106,13 @@ def _bit_ranks(n_cells: int) -> torch.Tensor:
 
 
 @functools.lru_cache(maxsize=64)
-def _locator(
+def build_locator(
     low_values: tuple[float, ...],
     high_values: tuple[float, ...],
     dual_clip: float | None,
     dtype: torch.dtype,
     device: torch.device,
-) -> _Locator:
+) -> Locator:
     """The thresholds U = [(-prev(dual),) -low_n, ..., -low_0, 0, high_0, ..., high_n]: the
     float64 path values rounded once to the ratio's dtype (as the loss rounds them), held in the
     compute dtype. prev(dual) is the largest compute-dtype number below the dual clip: r >= dual
@@ -128,10 +128,10 @@ def _locator(
     if dual_clip is not None:
         dual = torch.tensor([dual_clip], dtype=torch.float64).to(dtype).to(cd)
         parts.insert(0, -torch.nextafter(dual, torch.tensor(-math.inf, dtype=cd)))
-    return _Locator(torch.cat(parts)).to(device)
+    return Locator(torch.cat(parts)).to(device)
 
 
-def _keyed_inputs(
+def keyed_inputs(
     ratio: torch.Tensor,
     advantages: torch.Tensor,
     mask: torch.Tensor,

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from bapo_cli.algos.bapo_locator import _keyed_inputs, _locator
+from bapo_cli.algos.bapo_locator import build_locator, keyed_inputs
 from bapo_cli.algos.bapo_path import (
     PAPER,
     RECIPE_EPS,
@@ -54,9 +54,9 @@ class RecipeAccumulator(PathAccumulator, rule="recipe"):
     ) -> None:
         """Add one batch of tokens, as `BoundAccumulator.add` (dual-clipped negatives included:
         the recipe counts them). No host sync."""
-        key, m, a = _keyed_inputs(ratio, advantages, mask, weights)
+        key, m, a = keyed_inputs(ratio, advantages, mask, weights)
         path = self.path
-        locator = _locator(
+        locator = build_locator(
             path.low_values, path.high_values, self.dual_clip, ratio.dtype, key.device
         )
         count = locator.count(key)
@@ -89,7 +89,7 @@ def _suffix_sums(values: list[float]) -> list[float]:
 def _solve_recipe(
     path: BoundPath, mass: list[float], weight: list[float], dual_mass: float, rho0: float
 ) -> BapoBounds:
-    """The recipe's walk on the per-bin sums (layout of `_rho_curve`): mass = w r |A|,
+    """The recipe's walk on the per-bin sums (layout of `rho_curve`): mass = w r |A|,
     weight = w |A| per bin."""
     n_h, n_l = path.n_high, path.n_low
     neg_m, neg_w = mass[n_l + 1 :: -1][: n_l + 2], weight[n_l + 1 :: -1][: n_l + 2]  # [exit x]

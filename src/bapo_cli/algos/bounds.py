@@ -34,7 +34,7 @@ The path does not depend on the data: point 0 is (a_low, a_high), then n_high st
 then n_low steps of c_low. Each token changes activity at most once along it, so for every token
 we compute *where* (a positive token's entry index: the first point with r < c_high; a negative
 token's exit index: the first point with r <= c_low), add its mass into that bin (`bincount`) and
-get P and N at every point from cumulative sums. One table look-up places a token (`_Locator`:
+get P and N at every point from cumulative sums. One table look-up places a token (`Locator`:
 the positive and negative thresholds live in one sorted table, keyed by copysign(r, A)), so the
 whole path costs one pass over the tokens, one vector of K + 3 sums (P's and N's bins), and one
 host read in `solve` -- instead of one pass and one `.item()` per path step. Micro-batches
@@ -86,13 +86,12 @@ not each other, and register under their rule; `adaptive_bounds` here imports th
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any
 
 import torch
 
-from bapo_cli.algos.bapo_algorithm1 import BoundAccumulator, _rho_curve, _solve
-from bapo_cli.algos.bapo_locator import _bit_ranks, _keyed_inputs, _Locator, _locator
+from bapo_cli.algos.bapo_algorithm1 import BoundAccumulator
+from bapo_cli.algos.bapo_locator import Locator
 from bapo_cli.algos.bapo_path import (
     MAX_PATH_POINTS,
     PAPER,
@@ -131,12 +130,7 @@ __all__ = [
     "compute_dtype",
     "path_value",
     "range_pair",
-    "_Locator",
-    "_bit_ranks",
-    "_keyed_inputs",
-    "_locator",
-    "_rho_curve",
-    "_solve",
+    "Locator",
 ]
 
 
@@ -144,31 +138,21 @@ def adaptive_bounds(
     ratio: torch.Tensor,
     advantages: torch.Tensor,
     mask: torch.Tensor,
-    *,
-    rho0: float = PAPER.rho0,
-    low_range: Sequence[float] = PAPER.low_range,
-    high_range: Sequence[float] = PAPER.high_range,
-    low_step: float = PAPER.low_step,
-    high_step: float = PAPER.high_step,
     weights: torch.Tensor | None = None,
+    *,
     group: Any = None,
     dual_clip: float | None = None,
-    rule: str = PAPER.rule,
+    **settings: Any,
 ) -> BapoBounds:
     """Algorithm 1 of the BAPO paper on one batch of tokens: one `add` and one `solve`.
 
     ratio, advantages, mask (and weights) have the same shape, e.g. [B, T]. dual_clip: leave out
     negative tokens with r >= dual_clip (they carry no gradient under a dual-clipped loss).
-    Returns `BapoBounds` with Python numbers. See the module docstring for the exact semantics.
+    `settings`: the search's (`BoundSearch`: rho0, low_range, high_range, low_step, high_step,
+    rule; the paper's defaults for the rest). Returns `BapoBounds` with Python numbers. See the
+    module docstring for the exact semantics.
     """
-    search = BoundSearch(
-        rho0=rho0,
-        low_range=low_range,
-        high_range=high_range,
-        low_step=low_step,
-        high_step=high_step,
-        rule=rule,
-    )
+    search = BoundSearch(**settings)
     acc = search.accumulator(dual_clip)
     acc.add(ratio, advantages, mask, weights)
     return acc.solve(search.rho0, group=group)

@@ -17,27 +17,18 @@ token exactly at a bound takes the unclipped branch).
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from bapo_cli.algos.core import (
-    REGISTRY,
-    Aggregation,
-    Tensor,
-    _check_dual_clip,
-    _rounded,
-    check_eps,
-    prepare_tokens,
-    surrogate_metrics,
-)
-from bapo_cli.algos.params import ParamError, number, param
+from bapo_cli.algos.contract import Aggregation, RatioInputs
+from bapo_cli.algos.core import REGISTRY, Tensor, rounded, surrogate_metrics, tokens
+from bapo_cli.algos.params import ClipRangeParams, param, positive
 
 
 @dataclass(frozen=True)
-class CEGPPOParams:
+class CEGPPOParams(ClipRangeParams):
     """CE-GPPO: PPO's clip, with the clipped tokens' gradient scaled by beta1 / beta2."""
 
     eps_low: float = param(0.2, "clip range: c_low = 1 - eps_low (CE-GPPO's scripts: 0.2)")
@@ -51,14 +42,10 @@ class CEGPPOParams:
         1.0, "gradient scale of clipped A > 0 tokens (r > c_high) (reference code, scripts: 1)"
     )
 
-    def __post_init__(self) -> None:
-        self.check()
-
     def check(self) -> None:
-        check_eps(self.eps_low, self.eps_high)
-        for name in ("beta1", "beta2"):
-            if not 0.0 <= number(name, getattr(self, name)) < math.inf:
-                raise ParamError(name, getattr(self, name), "must be a finite number >= 0")
+        super().check()
+        positive("beta1", self.beta1, zero=True)
+        positive("beta2", self.beta2, zero=True)
 
     def describe(self) -> str:
         return (
@@ -69,56 +56,34 @@ class CEGPPOParams:
 
 @REGISTRY.register("ce_gppo", params=CEGPPOParams)
 def ce_gppo_loss(
-    log_prob: Tensor,
-    old_log_prob: Tensor,
-    advantages: Tensor,
-    mask: Tensor,
-    *,
-    eps_low: float = CEGPPOParams.eps_low,
-    eps_high: float = CEGPPOParams.eps_high,
-    beta1: float = CEGPPOParams.beta1,
-    beta2: float = CEGPPOParams.beta2,
-    dual_clip: float | None = 3.0,
-    agg: str = "token-mean",
-    global_tokens: float | Tensor | None = None,
-    global_seqs: float | Tensor | None = None,
-    norm_len: float | None = None,
+    log_prob: Tensor, inputs: RatioInputs, params: CEGPPOParams, aggregation: Aggregation
 ) -> tuple[Tensor, dict[str, Any]]:
     """CE-GPPO (module docstring). clipfrac_low / clipfrac_high count the tokens beyond the
     bounds (they still carry the scaled gradient); the metrics' gradient weight of such a token
     is beta * c (r for the others), so rho is the positive share of the gradient it trains on."""
-    CEGPPOParams(eps_low=eps_low, eps_high=eps_high, beta1=beta1, beta2=beta2)
-    c_low, c_high = 1.0 - float(eps_low), 1.0 + float(eps_high)
-    dual_clip = _check_dual_clip(dual_clip, c_low)
-    aggregation = Aggregation.checked(log_prob.dim(), agg, global_tokens, global_seqs, norm_len)
-    tok = prepare_tokens(log_prob, old_log_prob, advantages, mask)
+    c_low, c_high = params.bounds()
+    tok = tokens(log_prob, inputs)
     r, adv = tok.r, tok.adv
-    lo, hi = _rounded(c_low, r), _rounded(c_high, r)
+    lo, hi = rounded(c_low, r), rounded(c_high, r)
     low = tok.neg & (r < lo)  # PPO drops these; CE-GPPO keeps beta1 of the bound's gradient
     high = tok.pos & (r > hi)
     zero = torch.zeros_like(r)
     scale = torch.where(
-        low, zero + float(beta1) * c_low, torch.where(high, zero + float(beta2) * c_high, zero)
+        low,
+        zero + float(params.beta1) * c_low,
+        torch.where(high, zero + float(params.beta2) * c_high, zero),
     )
     grad_only = tok.ratio / r  # value 1, gradient grad log pi
     r_eff = torch.where(low | high, scale * grad_only, tok.ratio)
     dual = torch.zeros_like(tok.neg)
-    if dual_clip is not None:  # min(loss_t, -A dual) for A < 0: the constant wins above it
-        upper = _rounded(dual_clip, r)
+    if params.dual_clip is not None:  # min(loss_t, -A dual) for A < 0: the constant wins above
+        upper = rounded(params.dual_clip, r)
         dual = tok.neg & (torch.where(low, scale, r) > upper)
         r_eff = torch.where(dual, torch.full_like(r, upper), r_eff)
     loss_tok = -adv * r_eff
-    loss = aggregation(loss_tok, tok.valid)
-    weight = torch.where(low | high, scale, r)
+    # a clipped token whose beta is 0 carries no gradient, nor does a dual-clipped one
+    active = ~(high & (scale == 0)) & ~dual & ~(low & (scale == 0))
     metrics = surrogate_metrics(
-        tok,
-        ratio=r,
-        weight=weight,
-        active_pos=tok.pos & ~(high & (scale == 0)),
-        active_neg=tok.neg & ~dual & ~(low & (scale == 0)),
-        clipped_low=low,
-        clipped_high=high,
-        c_low=c_low,
-        c_high=c_high,
+        tok, (c_low, c_high), (low, high), weight=torch.where(low | high, scale, r), active=active
     )
-    return loss, metrics
+    return aggregation(loss_tok, tok.valid), metrics

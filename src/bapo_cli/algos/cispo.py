@@ -2,25 +2,18 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from bapo_cli.algos.core import (
-    REGISTRY,
-    Aggregation,
-    Tensor,
-    _rounded,
-    prepare_tokens,
-    surrogate_metrics,
-)
-from bapo_cli.algos.params import ParamError, number, param
+from bapo_cli.algos.contract import Aggregation, RatioInputs
+from bapo_cli.algos.core import REGISTRY, Tensor, rounded, surrogate_metrics, tokens
+from bapo_cli.algos.params import LossParams, param, positive
 
 
 @dataclass(frozen=True)
-class CISPOParams:
+class CISPOParams(LossParams):
     """CISPO: the detached IS weight clipped to [max(0, 1 - eps_low), 1 + eps_high]."""
 
     eps_low: float = param(
@@ -32,14 +25,12 @@ class CISPOParams:
         "and does not publish it; 0.28 as verl's and Trinity-RFT's CISPO)",
     )
 
-    def __post_init__(self) -> None:
-        self.check()
-
     def check(self) -> None:
-        if not 0.0 < number("eps_low", self.eps_low) < math.inf:
-            raise ParamError("eps_low", self.eps_low, "must be a finite number > 0")
-        if not 0.0 < number("eps_high", self.eps_high) < math.inf:
-            raise ParamError("eps_high", self.eps_high, "must be a finite number > 0")
+        positive("eps_low", self.eps_low)
+        positive("eps_high", self.eps_high)
+
+    def bounds(self) -> tuple[float, float]:
+        return max(0.0, 1.0 - float(self.eps_low)), 1.0 + float(self.eps_high)
 
     def describe(self) -> str:
         return f"IS weight clipped to [{max(0.0, 1 - self.eps_low):g}, {1 + self.eps_high:g}]"
@@ -47,18 +38,7 @@ class CISPOParams:
 
 @REGISTRY.register("cispo", params=CISPOParams)
 def cispo_loss(
-    log_prob: Tensor,
-    old_log_prob: Tensor,
-    advantages: Tensor,
-    mask: Tensor,
-    *,
-    eps_low: float = CISPOParams.eps_low,
-    eps_high: float = CISPOParams.eps_high,
-    dual_clip: float | None = 3.0,
-    agg: str = "token-mean",
-    global_tokens: float | Tensor | None = None,
-    global_seqs: float | Tensor | None = None,
-    norm_len: float | None = None,
+    log_prob: Tensor, inputs: RatioInputs, params: CISPOParams, aggregation: Aggregation
 ) -> tuple[Tensor, dict[str, Any]]:
     """CISPO (MiniMax-M1, arXiv 2506.13585, Eq. 4): loss_t = -sg(clip(r_t, c_low, c_high)) A_t
     log pi_theta(y_t), c_low = max(0, 1 - eps_low), c_high = 1 + eps_high.
@@ -66,30 +46,16 @@ def cispo_loss(
     The weight, not the token, is clipped: every valid token with A != 0 carries gradient
     -w_t A_t grad log pi (a low-probability token with a large ratio keeps the gradient w = c_high
     instead of none). clipfrac_low / clipfrac_high count the tokens whose weight was clipped
-    (either sign). dual_clip is not used: the weight is already at most c_high.
+    (either sign). The algo group's dual_clip does not apply: the weight is at most c_high.
     """
-    CISPOParams(eps_low=eps_low, eps_high=eps_high)
-    c_low, c_high = max(0.0, 1.0 - float(eps_low)), 1.0 + float(eps_high)
-    aggregation = Aggregation.checked(log_prob.dim(), agg, global_tokens, global_seqs, norm_len)
-    tok = prepare_tokens(log_prob, old_log_prob, advantages, mask)
-    lo, hi = _rounded(c_low, tok.r), _rounded(c_high, tok.r)
+    c_low, c_high = params.bounds()
+    tok = tokens(log_prob, inputs)
+    lo, hi = rounded(c_low, tok.r), rounded(c_high, tok.r)
     weight = tok.r.clamp(min=lo, max=hi)  # detached IS weight
     logp = torch.where(tok.valid, log_prob, 0.0)  # no 0 * inf on masked or non-finite tokens
     loss_tok = -tok.adv * weight * logp
-    loss = aggregation(loss_tok, tok.valid)
     signed = tok.pos | tok.neg
-    metrics = surrogate_metrics(
-        tok,
-        ratio=tok.r,
-        weight=weight,
-        active_pos=tok.pos,
-        active_neg=tok.neg,
-        clipped_low=signed & (tok.r <= lo) if c_low > 0 else torch.zeros_like(signed),
-        clipped_high=signed & (tok.r >= hi),
-        c_low=c_low,
-        c_high=c_high,
-    )
-    return loss, metrics
-
-
-# Where the soft gate's gradient weight sech^2(tau (r - 1) / 2) has fallen to one half:
+    low = signed & (tok.r <= lo) if c_low > 0 else torch.zeros_like(signed)
+    clipped = (low, signed & (tok.r >= hi))
+    metrics = surrogate_metrics(tok, (c_low, c_high), clipped, weight=weight)
+    return aggregation(loss_tok, tok.valid), metrics

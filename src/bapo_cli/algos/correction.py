@@ -1,6 +1,6 @@
 """Off-policy sequence masking, beside TIS/MIS (`rollout.seq_mask`): a whole response stops
 training when its tokens, on average, come from a policy too far from the one being trained.
-Pure functions on tensors; the trainer (`trainer/optimize.py` `_prepare`) gives them the per-token
+Pure functions on tensors; the trainer (`trainer/off_policy.py`) gives them the per-token
 log-ratio the rule reads and multiplies the advantages by the 0/1 result.
 
     geo   (verl rollout_corr's geometric rejection, TRL's geometric mask): keep sequence i iff
@@ -63,21 +63,31 @@ def opsm_keep(log_ratio: Tensor, advantages: Tensor, mask: Tensor, threshold: fl
     return ~((advantages < 0) & far[:, None])
 
 
-def mask_sequences(
+def sequence_keep(
     kind: str, threshold: float, advantages: Tensor, mask: Tensor, log_ratio: Tensor
-) -> tuple[Tensor, Tensor]:
-    """(advantages with rejected sequences at 0, keep [B] bool). `advantages` is [B] or [B, T]
-    (already TIS-weighted); the result has the same shape. kind: "geo" or "opsm". With per-token
-    advantages opsm decides per token (`opsm_keep`); a sequence counts as kept in `keep` iff no
-    valid token of it was dropped."""
+) -> Tensor:
+    """Bool: what the rule keeps, [B] per sequence, or [B, T] per token (opsm with per-token
+    advantages, `opsm_keep`). kind: "geo" or "opsm"."""
     if kind == "geo":
-        keep = geo_keep(log_ratio, mask, threshold)
-    elif kind == "opsm":
-        keep = opsm_keep(log_ratio, advantages, mask, threshold)
-    else:
-        raise ValueError(f"unknown seq_mask {kind!r}; valid: {', '.join(SEQ_MASKS[1:])}")
+        return geo_keep(log_ratio, mask, threshold)
+    if kind == "opsm":
+        return opsm_keep(log_ratio, advantages, mask, threshold)
+    raise ValueError(f"unknown seq_mask {kind!r}; valid: {', '.join(SEQ_MASKS[1:])}")
+
+
+def apply_keep(advantages: Tensor, keep: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
+    """(advantages with what `keep` rejects at 0, the sequences kept [B] bool: a sequence counts
+    as kept iff no valid token of it was dropped). `advantages` [B] or [B, T] keeps its shape."""
     if keep.dim() == 2:  # opsm per token: zero the dropped tokens, report per sequence
         masked = torch.where(keep, advantages, torch.zeros_like(advantages))
         return masked, ~(~keep & mask).any(dim=-1)
     weight = keep.to(advantages.dtype)
     return advantages * (weight if advantages.dim() == 1 else weight[:, None]), keep
+
+
+def mask_sequences(
+    kind: str, threshold: float, advantages: Tensor, mask: Tensor, log_ratio: Tensor
+) -> tuple[Tensor, Tensor]:
+    """(advantages with rejected sequences at 0, keep [B] bool). `advantages` is [B] or [B, T]
+    (already TIS-weighted); the result has the same shape (`sequence_keep`, `apply_keep`)."""
+    return apply_keep(advantages, sequence_keep(kind, threshold, advantages, mask, log_ratio), mask)

@@ -24,19 +24,25 @@ from typing import Any
 
 import torch
 
+from bapo_cli.algos.contract import Aggregation, RatioInputs
 from bapo_cli.algos.core import (
     REGISTRY,
-    Aggregation,
     Tensor,
     Tokens,
-    _check_agg,
-    _check_dual_clip,
-    prepare_tokens,
     surrogate_dropping,
     surrogate_metrics,
     token_activity,
+    tokens,
 )
-from bapo_cli.algos.params import ParamError, number, param
+from bapo_cli.algos.params import (
+    LossParams,
+    ParamError,
+    check_dual_clip,
+    dual_clip_param,
+    number,
+    param,
+    positive,
+)
 
 
 def _check_share(name: str, value: Any) -> None:
@@ -60,7 +66,7 @@ def _how_many(share: float, tok: Tokens) -> int:
 
 
 @dataclass(frozen=True)
-class ClipCovParams:
+class ClipCovParams(LossParams):
     """Clip-Cov: detach a few random high-covariance tokens from the clipped surrogate."""
 
     clip_ratio: float = param(
@@ -74,9 +80,7 @@ class ClipCovParams:
         "clip [0, 2] with eps_high 1 (verl's clip_ratio 0.2)",
     )
     eps_high: float = param(0.2, "ratio clip: c_high = 1 + eps_high (verl's clip_ratio 0.2)")
-
-    def __post_init__(self) -> None:
-        self.check()
+    dual_clip: float | None = dual_clip_param(None)
 
     def check(self) -> None:
         _check_share("clip_ratio", self.clip_ratio)
@@ -87,8 +91,8 @@ class ClipCovParams:
         # [0, 2]; a ratio is never below 0, so no negative token is clipped low
         if not 0.0 < number("eps_low", self.eps_low) <= 1.0:
             raise ParamError("eps_low", self.eps_low, "must be within (0, 1]")
-        if not 0.0 < number("eps_high", self.eps_high) < math.inf:
-            raise ParamError("eps_high", self.eps_high, "must be a finite number > 0")
+        positive("eps_high", self.eps_high)
+        check_dual_clip(self.dual_clip)
 
     def describe(self) -> str:
         return (
@@ -113,54 +117,24 @@ def clip_cov_drop(tok: Tokens, log_prob: Tensor, active: Tensor, params: ClipCov
 
 @REGISTRY.register("clip_cov", params=ClipCovParams)
 def clip_cov_loss(
-    log_prob: Tensor,
-    old_log_prob: Tensor,
-    advantages: Tensor,
-    mask: Tensor,
-    *,
-    clip_ratio: float = ClipCovParams.clip_ratio,
-    cov_lb: float = ClipCovParams.cov_lb,
-    cov_ub: float = ClipCovParams.cov_ub,
-    eps_low: float = ClipCovParams.eps_low,
-    eps_high: float = ClipCovParams.eps_high,
-    dual_clip: float | None = None,
-    agg: str = "token-mean",
-    global_tokens: float | Tensor | None = None,
-    global_seqs: float | Tensor | None = None,
-    norm_len: float | None = None,
+    log_prob: Tensor, inputs: RatioInputs, params: ClipCovParams, aggregation: Aggregation
 ) -> tuple[Tensor, dict[str, Any]]:
     """Clip-Cov (module docstring): the clipped surrogate, with the detached tokens' loss and
     gradient 0 (they stay in the normaliser, as verl multiplies their loss by 0). Candidates are
     the tokens the clip left active (verl: not clipped by the ratio). clipfrac_low /
     clipfrac_high count the detached tokens with the ratio-clipped ones. verl's clip_cov has no
     dual clip; the preset sets dual_clip: null, the option still applies if set."""
-    params = ClipCovParams(
-        clip_ratio=clip_ratio, cov_lb=cov_lb, cov_ub=cov_ub, eps_low=eps_low, eps_high=eps_high
-    )
-    c_low, c_high = 1.0 - float(eps_low), 1.0 + float(eps_high)
-    dual_clip = _check_dual_clip(dual_clip, c_low)
-    _check_agg(agg, log_prob.dim())
-    tok = prepare_tokens(log_prob, old_log_prob, advantages, mask)
-    active_pos, active_neg = token_activity(tok, c_low, c_high, dual_clip)
+    bounds = 1.0 - float(params.eps_low), 1.0 + float(params.eps_high)
+    tok = tokens(log_prob, inputs)
+    active_pos, active_neg = token_activity(tok, *bounds, params.dual_clip)
     # verl's candidates: not clipped by the ratio (A = 0 tokens included, harmlessly: 0 loss)
     unclipped = tok.valid & ~((tok.pos & ~active_pos) | (tok.neg & ~active_neg))
     drop = clip_cov_drop(tok, log_prob, unclipped, params)
-    return surrogate_dropping(
-        tok,
-        drop,
-        c_low,
-        c_high,
-        in_denominator=True,
-        dual_clip=dual_clip,
-        agg=agg,
-        global_tokens=global_tokens,
-        global_seqs=global_seqs,
-        norm_len=norm_len,
-    )
+    return surrogate_dropping(tok, drop, bounds, params.dual_clip, aggregation, in_denominator=True)
 
 
 @dataclass(frozen=True)
-class KLCovParams:
+class KLCovParams(LossParams):
     """KL-Cov: a |log r| penalty on the highest-covariance tokens, no ratio clip."""
 
     kl_cov_ratio: float = param(
@@ -168,21 +142,16 @@ class KLCovParams:
         "share of the valid tokens penalised (paper, 7B models: 2e-3; verl's code default 2e-4, "
         "the paper's 32B value; at least one token)",
     )
-    # Not `kl_coef`: that name is algo.kl_coef, the k3 KL to the initial policy every preset has;
-    # a field of that name here also switched that penalty on, at 1 (found in issue 34).
+    # Not `kl_coef`: that name is algo.kl_coef, the k3 KL to the initial policy of every preset
     kl_cov_coef: float = param(
         1.0,
         "coefficient of |log r| on the penalised tokens (the Entropy-Mechanism recipe scripts: "
         "1; verl's config policy_loss.ppo_kl_coef: 0.1)",
     )
 
-    def __post_init__(self) -> None:
-        self.check()
-
     def check(self) -> None:
         _check_share("kl_cov_ratio", self.kl_cov_ratio)
-        if not 0.0 <= number("kl_cov_coef", self.kl_cov_coef) < math.inf:
-            raise ParamError("kl_cov_coef", self.kl_cov_coef, "must be a finite number >= 0")
+        positive("kl_cov_coef", self.kl_cov_coef, zero=True)
 
     def describe(self) -> str:
         return (
@@ -205,42 +174,19 @@ def kl_cov_select(tok: Tokens, log_prob: Tensor, share: float) -> Tensor:
 
 @REGISTRY.register("kl_cov", params=KLCovParams)
 def kl_cov_loss(
-    log_prob: Tensor,
-    old_log_prob: Tensor,
-    advantages: Tensor,
-    mask: Tensor,
-    *,
-    kl_cov_ratio: float = KLCovParams.kl_cov_ratio,
-    kl_cov_coef: float = KLCovParams.kl_cov_coef,
-    dual_clip: float | None = None,
-    agg: str = "token-mean",
-    global_tokens: float | Tensor | None = None,
-    global_seqs: float | Tensor | None = None,
-    norm_len: float | None = None,
+    log_prob: Tensor, inputs: RatioInputs, params: KLCovParams, aggregation: Aggregation
 ) -> tuple[Tensor, dict[str, Any]]:
     """KL-Cov (module docstring): loss_t = -A_t r_t + kl_cov_coef |log r_t| [t selected].
 
     Every token with A != 0 carries gradient (no clip). clipfrac_low / clipfrac_high count the
     penalised tokens (A < 0 / A > 0). KL-Cov has no bounds: c_low reports 0 (no lower bound, as
-    CISPO) and c_high the largest ratio of the call (nothing above it was clipped). dual_clip is
-    not used (verl's kl_cov has none)."""
-    KLCovParams(kl_cov_ratio=kl_cov_ratio, kl_cov_coef=kl_cov_coef)
-    aggregation = Aggregation.checked(log_prob.dim(), agg, global_tokens, global_seqs, norm_len)
-    tok = prepare_tokens(log_prob, old_log_prob, advantages, mask)
-    selected = kl_cov_select(tok, log_prob, float(kl_cov_ratio))
-    abs_log_ratio = torch.where(selected, log_prob - old_log_prob, 0.0).abs()
-    loss_tok = -tok.adv * tok.ratio + float(kl_cov_coef) * abs_log_ratio
-    loss = aggregation(loss_tok, tok.valid)
+    CISPO) and c_high the largest ratio of the call (nothing above it was clipped). The algo
+    group's dual_clip does not apply (verl's kl_cov has none)."""
+    tok = tokens(log_prob, inputs)
+    selected = kl_cov_select(tok, log_prob, float(params.kl_cov_ratio))
+    abs_log_ratio = torch.where(selected, log_prob - inputs.old_log_prob, 0.0).abs()
+    loss_tok = -tok.adv * tok.ratio + float(params.kl_cov_coef) * abs_log_ratio
     ratio_max = float(torch.where(tok.valid, tok.r, 0.0).max()) if tok.r.numel() else 1.0
-    metrics = surrogate_metrics(
-        tok,
-        ratio=tok.r,
-        weight=tok.r,
-        active_pos=tok.pos,
-        active_neg=tok.neg,
-        clipped_low=tok.neg & selected,
-        clipped_high=tok.pos & selected,
-        c_low=0.0,
-        c_high=ratio_max,
-    )
-    return loss, metrics
+    clipped = (tok.neg & selected, tok.pos & selected)
+    metrics = surrogate_metrics(tok, (0.0, ratio_max), clipped, weight=tok.r)
+    return aggregation(loss_tok, tok.valid), metrics

@@ -58,12 +58,12 @@ def quadrant_table(
     advantages: Tensor,
     mask: Tensor,
     *,
-    c_low: float,
-    c_high: float,
+    bounds: tuple[float, float],
     dual_clip: float | None = 3.0,
     threshold_log_prob: float | Tensor | None = None,
 ) -> dict[str, Tensor]:
-    """The quadrant table of one update, with the same activity masks as the loss.
+    """The quadrant table of one update, with the same activity masks as the loss clipping at
+    `bounds` (c_low, c_high).
 
     threshold_log_prob: the log-probability that splits high from low (default: the mean of
     log_prob over the valid tokens; a trainer may pass -entropy). Returns detached 0-dim
@@ -74,7 +74,7 @@ def quadrant_table(
     if threshold_log_prob is None:
         threshold_log_prob = torch.where(tok.valid, lp, 0.0).sum() / tok.n_valid.clamp(min=1)
     high = lp > threshold_log_prob
-    active_pos, active_neg = token_activity(tok, c_low, c_high, dual_clip)
+    active_pos, active_neg = token_activity(tok, *bounds, dual_clip)
     mass = tok.r * tok.adv.abs()  # r |A|, 0 off the mask
     total = mass.sum()
     total = torch.where(total > 0, total, 1.0)

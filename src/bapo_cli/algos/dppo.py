@@ -28,27 +28,16 @@ from typing import Any
 
 import torch
 
-from bapo_cli.algos.core import (
-    REGISTRY,
-    Aggregation,
-    Tensor,
-    _rounded,
-    prepare_tokens,
-    surrogate_metrics,
-)
-from bapo_cli.algos.params import ParamError, number, param
+from bapo_cli.algos.contract import Aggregation, RatioInputs
+from bapo_cli.algos.core import REGISTRY, Tensor, rounded, surrogate_metrics, tokens
+from bapo_cli.algos.params import LossParams, ParamError, number, param, positive
 
 # verl's 1e-8 inside the Bernoulli KL's second log: keeps log((1 - q) / (1 - p)) finite at p = 1.
 BINARY_KL_EPS = 1e-8
 
 
-def _check_positive(name: str, value: Any) -> None:
-    if not 0.0 < number(name, value) < math.inf:
-        raise ParamError(name, value, "must be a finite number > 0")
-
-
 @dataclass(frozen=True)
-class DPPOTVParams:
+class DPPOTVParams(LossParams):
     """DPPO-Binary-TV: mask a token once its probability moved by more than delta."""
 
     delta_low: float = param(
@@ -68,12 +57,11 @@ class DPPOTVParams:
         "DPPO example sets 10000)",
     )
 
-    def __post_init__(self) -> None:
-        self.check()
+    divergence = "tv"  # which trust region (a class constant, not a parameter)
 
     def check(self) -> None:
-        for name in ("delta_low", "delta_high"):
-            _check_positive(name, getattr(self, name))
+        positive("delta_low", self.delta_low)
+        positive("delta_high", self.delta_high)
         if not 1.0 <= number("ratio_cap", self.ratio_cap) < math.inf:
             raise ParamError("ratio_cap", self.ratio_cap, "must be a finite number >= 1")
 
@@ -95,6 +83,8 @@ class DPPOKLParams(DPPOTVParams):
         0.05, "binary-KL threshold for A > 0 (pi_theta > pi_old) (verl's DPPO example: 0.05)"
     )
 
+    divergence = "kl"
+
     def describe(self) -> str:
         return (
             f"binary KL at most {self.delta_low:g} (A < 0) / {self.delta_high:g} (A > 0), "
@@ -102,19 +92,12 @@ class DPPOKLParams(DPPOTVParams):
         )
 
 
-def dppo_keep(
-    log_prob: Tensor,
-    old_log_prob: Tensor,
-    adv: Tensor,
-    *,
-    divergence: str,
-    delta_low: float,
-    delta_high: float,
-) -> Tensor:
+def dppo_keep(log_prob: Tensor, old_log_prob: Tensor, adv: Tensor, params: DPPOTVParams) -> Tensor:
     """Bool [B, T]: the tokens DPPO keeps (inside the trust region, or moving back into it)."""
+    delta_low, delta_high = float(params.delta_low), float(params.delta_high)
     with torch.no_grad():
         p, q = log_prob.detach().exp(), old_log_prob.detach().exp()
-        if divergence == "tv":
+        if params.divergence == "tv":
             keep_pos = p - q <= delta_high
             keep_neg = p - q >= -delta_low
         else:
@@ -127,85 +110,40 @@ def dppo_keep(
 
 
 def _dppo(
-    divergence: str,
-    params: DPPOTVParams,
-    log_prob: Tensor,
-    old_log_prob: Tensor,
-    advantages: Tensor,
-    mask: Tensor,
-    aggregation: Aggregation,
+    log_prob: Tensor, inputs: RatioInputs, params: DPPOTVParams, aggregation: Aggregation
 ) -> tuple[Tensor, dict[str, Any]]:
     """Both variants: the kept tokens' truncated-IS policy gradient (module docstring)."""
-    tok = prepare_tokens(log_prob, old_log_prob, advantages, mask)
+    tok = tokens(log_prob, inputs)
     keep = tok.valid & dppo_keep(
         torch.where(tok.valid, log_prob, 0.0),
-        torch.where(tok.valid, old_log_prob, 0.0),
+        torch.where(tok.valid, inputs.old_log_prob, 0.0),
         tok.adv,
-        divergence=divergence,
-        delta_low=float(params.delta_low),
-        delta_high=float(params.delta_high),
+        params,
     )
-    weight = tok.r.clamp(max=_rounded(params.ratio_cap, tok.r))  # sg(min(r, C))
+    weight = tok.r.clamp(max=rounded(params.ratio_cap, tok.r))  # sg(min(r, C))
     logp = torch.where(keep, log_prob, 0.0)  # no 0 * inf on masked or non-finite tokens
     loss_tok = -tok.adv * weight * logp
-    loss = aggregation(loss_tok, tok.valid)
-    metrics = surrogate_metrics(
-        tok,
-        ratio=tok.r,
-        weight=weight,
-        active_pos=tok.pos & keep,
-        active_neg=tok.neg & keep,
-        clipped_low=tok.neg & ~keep,
-        clipped_high=tok.pos & ~keep,
-        c_low=1.0 - float(params.delta_low),
-        c_high=1.0 + float(params.delta_high),
-    )
-    return loss, metrics
+    bounds = 1.0 - float(params.delta_low), 1.0 + float(params.delta_high)
+    clipped = (tok.neg & ~keep, tok.pos & ~keep)
+    metrics = surrogate_metrics(tok, bounds, clipped, weight=weight, active=keep)
+    return aggregation(loss_tok, tok.valid), metrics
 
 
 @REGISTRY.register("dppo_tv", params=DPPOTVParams)
 def dppo_tv_loss(
-    log_prob: Tensor,
-    old_log_prob: Tensor,
-    advantages: Tensor,
-    mask: Tensor,
-    *,
-    delta_low: float = DPPOTVParams.delta_low,
-    delta_high: float = DPPOTVParams.delta_high,
-    ratio_cap: float = DPPOTVParams.ratio_cap,
-    dual_clip: float | None = None,
-    agg: str = "token-mean",
-    global_tokens: float | Tensor | None = None,
-    global_seqs: float | Tensor | None = None,
-    norm_len: float | None = None,
+    log_prob: Tensor, inputs: RatioInputs, params: DPPOTVParams, aggregation: Aggregation
 ) -> tuple[Tensor, dict[str, Any]]:
     """DPPO-Binary-TV (module docstring). clipfrac_low / clipfrac_high count the masked tokens
     (A < 0 / A > 0); DPPO has no ratio bounds, so c_low / c_high report 1 - delta_low and
-    1 + delta_high (a token with pi_old = 1 is masked there). dual_clip is not used: the
-    weight is capped by ratio_cap instead (verl replaces the dual clip the same way)."""
-    params = DPPOTVParams(delta_low=delta_low, delta_high=delta_high, ratio_cap=ratio_cap)
-    aggregation = Aggregation.checked(log_prob.dim(), agg, global_tokens, global_seqs, norm_len)
-    return _dppo("tv", params, log_prob, old_log_prob, advantages, mask, aggregation)
+    1 + delta_high (a token with pi_old = 1 is masked there). The algo group's dual_clip does
+    not apply: the weight is capped by ratio_cap instead (verl replaces the dual clip so)."""
+    return _dppo(log_prob, inputs, params, aggregation)
 
 
 @REGISTRY.register("dppo_kl", params=DPPOKLParams)
 def dppo_kl_loss(
-    log_prob: Tensor,
-    old_log_prob: Tensor,
-    advantages: Tensor,
-    mask: Tensor,
-    *,
-    delta_low: float = DPPOKLParams.delta_low,
-    delta_high: float = DPPOKLParams.delta_high,
-    ratio_cap: float = DPPOKLParams.ratio_cap,
-    dual_clip: float | None = None,
-    agg: str = "token-mean",
-    global_tokens: float | Tensor | None = None,
-    global_seqs: float | Tensor | None = None,
-    norm_len: float | None = None,
+    log_prob: Tensor, inputs: RatioInputs, params: DPPOKLParams, aggregation: Aggregation
 ) -> tuple[Tensor, dict[str, Any]]:
     """DPPO-Binary-KL (module docstring); metrics as `dppo_tv_loss` (c_low / c_high report
     1 -/+ delta, the thresholds on the ratio scale, not ratio bounds)."""
-    params = DPPOKLParams(delta_low=delta_low, delta_high=delta_high, ratio_cap=ratio_cap)
-    aggregation = Aggregation.checked(log_prob.dim(), agg, global_tokens, global_seqs, norm_len)
-    return _dppo("kl", params, log_prob, old_log_prob, advantages, mask, aggregation)
+    return _dppo(log_prob, inputs, params, aggregation)

@@ -48,17 +48,21 @@ host sync), averaged over the valid tokens unless said otherwise:
 A trainer averages rho over micro-batches and updates by these sums, sum(pos) / sum(pos + neg),
 so a call without active mass (rho = 1 by convention) does not count as rho = 1.
 
-Each loss is registered with the dataclass of its parameters (`LossEntry`): fields with defaults
-and help, a `check()` and a `describe()`. The CLI builds the `algo` schema of each loss from it
-and maps the config onto the loss's keyword arguments by field name, so a new loss is its module's
-function and dataclass, a YAML in conf/algo/ and a test (docs/architecture.md).
+Every loss has one signature, ``fn(log_prob, inputs, params, aggregation) -> (loss, metrics)``
+(`contract`): `inputs` a `RatioInputs` (old_log_prob, advantages, mask, behav_log_prob,
+weights), `params` its own frozen params dataclass, `aggregation` an `Aggregation`. Each loss
+is registered with that dataclass (`LossEntry`): fields with defaults and help, a `check()` and
+a `describe()`. The CLI builds the `algo` schema of each loss from it and reads the config into
+it by field name, once; `policy_loss(name, log_prob, old_log_prob, advantages, mask, **options)`
+calls a loss on plain tensors. A new loss is its module's function and dataclass, a YAML in
+conf/algo/ and a test (docs/architecture.md).
 
 Where the code is: this module is the losses' entry point (import `losses.REGISTRY`,
-`losses.policy_loss` from here: importing it registers every loss). `core` holds the registry and
-the shared pieces; each method (or family) has its own module named for it: `ppo` (ppo,
-clip_higher), `bapo`, `gspo`, `cispo`, `sapo`, `dppo` (dppo_tv, dppo_kl), `m2po`, `cov` (clip_cov,
-kl_cov), `ce_gppo`, `vcpo`, `minpro`, `prime` (prime_default). Adding a loss:
-docs/architecture.md.
+`losses.policy_loss` from here: importing it registers every loss). `contract` holds what passes
+between the trainer and a loss, `core` the registry and the shared pieces; each method (or
+family) has its own module named for it: `ppo` (ppo, clip_higher), `bapo`, `gspo`, `cispo`,
+`sapo`, `dppo` (dppo_tv, dppo_kl), `m2po`, `cov` (clip_cov, kl_cov), `ce_gppo`, `vcpo`, `minpro`,
+`prime` (prime_default). Adding a loss: docs/architecture.md.
 """
 
 from __future__ import annotations
@@ -67,30 +71,40 @@ import importlib
 import pkgutil
 from pathlib import Path
 
-from bapo_cli.algos.bapo import BOUND_SCOPES, BapoParams, bapo_loss, search_inputs
+from bapo_cli.algos.bapo import (
+    BOUND_SCOPES,
+    BapoParams,
+    bapo_loss,
+    inputs_search,
+    search_inputs,
+)
 from bapo_cli.algos.bapo_path import WEIGHTINGS
 from bapo_cli.algos.ce_gppo import CEGPPOParams, ce_gppo_loss
 from bapo_cli.algos.cispo import CISPOParams, cispo_loss
-from bapo_cli.algos.core import (
+from bapo_cli.algos.contract import (
     AGGREGATIONS,
-    COMMON_KWARGS,
-    REGISTRY,
     Aggregation,
+    LossHooks,
+    RatioInputs,
+    aggregate,
+)
+from bapo_cli.algos.core import (
+    REGISTRY,
     LossEntry,
     Tokens,
-    aggregate,
-    check_eps,
     clip_metrics,
     clipped_surrogate,
     policy_loss,
     prepare_tokens,
     surrogate_metrics,
     token_activity,
+    tokens,
 )
 from bapo_cli.algos.cov import ClipCovParams, KLCovParams, clip_cov_loss, kl_cov_loss
 from bapo_cli.algos.dppo import DPPOKLParams, DPPOTVParams, dppo_kl_loss, dppo_tv_loss
 from bapo_cli.algos.gspo import GSPOParams, gspo_loss
 from bapo_cli.algos.m2po import M2POParams, m2po_loss
+from bapo_cli.algos.params import LossParams, check_eps
 from bapo_cli.algos.ppo import ClipHigherParams, PPOParams, clip_higher_loss, ppo_loss
 from bapo_cli.algos.sapo import SAPO_HALF_WIDTH, SAPOParams, sapo_loss
 
@@ -107,23 +121,25 @@ _import_method_modules()
 __all__ = [
     "AGGREGATIONS",
     "BOUND_SCOPES",
-    "COMMON_KWARGS",
     "REGISTRY",
     "SAPO_HALF_WIDTH",
-    "Aggregation",
     "WEIGHTINGS",
+    "Aggregation",
     "BapoParams",
     "CEGPPOParams",
     "CISPOParams",
     "ClipCovParams",
+    "ClipHigherParams",
     "DPPOKLParams",
     "DPPOTVParams",
-    "KLCovParams",
-    "M2POParams",
-    "ClipHigherParams",
     "GSPOParams",
+    "KLCovParams",
     "LossEntry",
+    "LossHooks",
+    "LossParams",
+    "M2POParams",
     "PPOParams",
+    "RatioInputs",
     "SAPOParams",
     "Tokens",
     "aggregate",
@@ -132,12 +148,13 @@ __all__ = [
     "check_eps",
     "cispo_loss",
     "clip_cov_loss",
-    "clip_metrics",
     "clip_higher_loss",
+    "clip_metrics",
     "clipped_surrogate",
     "dppo_kl_loss",
     "dppo_tv_loss",
     "gspo_loss",
+    "inputs_search",
     "kl_cov_loss",
     "m2po_loss",
     "policy_loss",
@@ -147,4 +164,5 @@ __all__ = [
     "search_inputs",
     "surrogate_metrics",
     "token_activity",
+    "tokens",
 ]

@@ -19,12 +19,12 @@ formula divides by all tokens instead).
 Which two policies m2 compares, as AReaL: its decoupled loss (`use_decoupled_loss`, the M2PO
 example's setting) takes m2 = (log pi_behav - log pi_prox)^2, the behaviour policy against the
 proximal one (the weights at the start of the training step). Under
-`trainer.old_logprob=recompute|loglinear` the loss's old_log_prob is that proximal policy and the
-trainer passes the behaviour log-probs as `behav_log_prob`: m2 = (log pi_prox - log pi_behav)^2.
+`trainer.old_logprob=recompute|loglinear` the loss's old_log_prob is that proximal policy and its
+inputs carry the behaviour log-probs (`RatioInputs.behav_log_prob`):
+m2 = (log pi_prox - log pi_behav)^2.
 Under `trainer.old_logprob=behaviour` (no proximal policy) m2 = (log pi_theta - log pi_behav)^2,
 the current weights against the behaviour policy, which is AReaL's quantity at the first update
-on a batch (there pi_prox = pi_theta). Taking m2 against pi_prox under recompute instead (as this
-module did before issue 34) made it 0 at every first update: the mask never fired.
+on a batch (there pi_prox = pi_theta).
 """
 
 from __future__ import annotations
@@ -35,20 +35,21 @@ from typing import Any
 
 import torch
 
-from bapo_cli.algos.core import (
-    REGISTRY,
-    Tensor,
-    _check_agg,
-    _check_dual_clip,
+from bapo_cli.algos.contract import Aggregation, RatioInputs
+from bapo_cli.algos.core import REGISTRY, Tensor, Tokens, surrogate_dropping, tokens
+from bapo_cli.algos.params import (
+    LossParams,
+    ParamError,
+    check_dual_clip,
     check_eps,
-    prepare_tokens,
-    surrogate_dropping,
+    dual_clip_param,
+    param,
+    positive,
 )
-from bapo_cli.algos.params import ParamError, number, param
 
 
 @dataclass(frozen=True)
-class M2POParams:
+class M2POParams(LossParams):
     """M2PO: second-moment masking of the log-ratios, then the clipped surrogate."""
 
     m2_threshold: float = param(
@@ -64,17 +65,15 @@ class M2POParams:
     eps_high: float | None = param(
         None, "ratio clip of the kept tokens, c_high = 1 + eps_high; null = no clip"
     )
-
-    def __post_init__(self) -> None:
-        self.check()
+    dual_clip: float | None = dual_clip_param()
 
     def check(self) -> None:
-        if not 0.0 < number("m2_threshold", self.m2_threshold) < math.inf:
-            raise ParamError("m2_threshold", self.m2_threshold, "must be a finite number > 0")
+        positive("m2_threshold", self.m2_threshold)
         if (self.eps_low is None) != (self.eps_high is None):
             raise ParamError("eps_high", self.eps_high, "set both eps_low and eps_high, or neither")
         if self.eps_low is not None:
             check_eps(self.eps_low, self.eps_high)
+        check_dual_clip(self.dual_clip)
 
     def bounds(self) -> tuple[float, float]:
         """(c_low, c_high) of the ratio clip; (0, inf) when there is none."""
@@ -108,22 +107,26 @@ def m2_mask(log_ratio: Tensor, valid: Tensor, threshold: float) -> Tensor:
         return masked
 
 
-@REGISTRY.register("m2po", params=M2POParams, behaviour=True)
+def m2_drop(tok: Tokens, inputs: RatioInputs, threshold: float) -> Tensor:
+    """The tokens M2PO masks: m2 of the current weights against the behaviour policy, or of the
+    proximal policy (old_log_prob) against it when the inputs carry both (module docstring);
+    a token whose behaviour log-prob is not finite is masked first."""
+    behav = inputs.behav_log_prob
+    if behav is None:  # the current weights against the behaviour policy
+        return m2_mask(tok.log_ratio, tok.valid, threshold)
+    if behav.shape != tok.r.shape:
+        raise ValueError(
+            f"behav_log_prob has shape {tuple(behav.shape)}, expected {tuple(tok.r.shape)}"
+        )
+    prox_behav = (inputs.old_log_prob - behav).detach()
+    finite = torch.isfinite(prox_behav)
+    drop = m2_mask(torch.where(finite, prox_behav, 0.0), tok.valid & finite, threshold)
+    return drop | (tok.valid & ~finite)
+
+
+@REGISTRY.register("m2po", params=M2POParams)
 def m2po_loss(
-    log_prob: Tensor,
-    old_log_prob: Tensor,
-    advantages: Tensor,
-    mask: Tensor,
-    *,
-    m2_threshold: float = M2POParams.m2_threshold,
-    eps_low: float = M2POParams.eps_low,
-    eps_high: float = M2POParams.eps_high,
-    behav_log_prob: Tensor | None = None,
-    dual_clip: float | None = 3.0,
-    agg: str = "token-mean",
-    global_tokens: float | Tensor | None = None,
-    global_seqs: float | Tensor | None = None,
-    norm_len: float | None = None,
+    log_prob: Tensor, inputs: RatioInputs, params: M2POParams, aggregation: Aggregation
 ) -> tuple[Tensor, dict[str, Any]]:
     """M2PO (module docstring). clipfrac_low / clipfrac_high count the M2-masked tokens with the
     ratio-clipped ones (A < 0 / A > 0): the tokens that lost their gradient. Without a ratio clip
@@ -131,42 +134,14 @@ def m2po_loss(
 
     With gradient accumulation the trainer passes the mini-batch's token count (global_tokens),
     which still counts the masked tokens; within one call they leave the normaliser, as in
-    AReaL (whose normaliser is its micro-batch's loss mask).
-
-    behav_log_prob: the behaviour log-probs when old_log_prob is a proximal policy (module
-    docstring); m2 is then (old_log_prob - behav_log_prob)^2, over the tokens valid for the
-    loss whose behaviour log-prob is finite (a non-finite one is masked first)."""
-    params = M2POParams(m2_threshold=m2_threshold, eps_low=eps_low, eps_high=eps_high)
-    c_low, c_high = params.bounds()
-    dual_clip = _check_dual_clip(dual_clip, c_low)
-    _check_agg(agg, log_prob.dim())
-    tok = prepare_tokens(log_prob, old_log_prob, advantages, mask)
-    if behav_log_prob is None:  # the current weights against the behaviour policy
-        drop = m2_mask(tok.log_ratio, tok.valid, float(m2_threshold))
-    else:  # the proximal policy (old_log_prob) against the behaviour policy, as AReaL
-        if behav_log_prob.shape != log_prob.shape:
-            raise ValueError(
-                f"behav_log_prob has shape {tuple(behav_log_prob.shape)}, expected "
-                f"{tuple(log_prob.shape)}"
-            )
-        prox_behav = (old_log_prob - behav_log_prob).detach()
-        finite = torch.isfinite(prox_behav)
-        usable = tok.valid & finite
-        drop = m2_mask(torch.where(finite, prox_behav, 0.0), usable, float(m2_threshold))
-        drop = drop | (tok.valid & ~finite)
+    AReaL (whose normaliser is its micro-batch's loss mask)."""
+    bounds = params.bounds()
+    tok = tokens(log_prob, inputs)
+    drop = m2_drop(tok, inputs, float(params.m2_threshold))
     loss, metrics = surrogate_dropping(
-        tok,
-        drop,
-        c_low,
-        c_high,
-        in_denominator=False,
-        dual_clip=dual_clip,
-        agg=agg,
-        global_tokens=global_tokens,
-        global_seqs=global_seqs,
-        norm_len=norm_len,
+        tok, drop, bounds, params.dual_clip, aggregation, in_denominator=False
     )
-    if math.isinf(c_high):  # no clip: report the largest ratio kept, as kl_cov (finite to log)
+    if math.isinf(bounds[1]):  # no clip: report the largest ratio kept, as kl_cov (finite to log)
         kept = tok.valid & ~drop
         top = float(torch.where(kept, tok.r, 0.0).max()) if kept.any() else 1.0
         metrics["c_high"] = torch.tensor(max(top, 1.0), dtype=torch.float64)

@@ -29,33 +29,20 @@ from typing import Any
 
 import torch
 
-from bapo_cli.algos.core import (
-    REGISTRY,
-    Tensor,
-    _check_dual_clip,
-    _check_shapes,
-    check_eps,
-    clipped_surrogate,
-    prepare_tokens,
-)
-from bapo_cli.algos.params import param
+from bapo_cli.algos.contract import Aggregation, RatioInputs
+from bapo_cli.algos.core import REGISTRY, Tensor, check_shapes, clipped_surrogate, prepare_tokens
+from bapo_cli.algos.params import ClipRangeParams, param
 
 # The log of the prefix weight is capped here: e^20 ~ 5e8, finite in every dtype a loss runs in.
 MAX_LOG_PREFIX = 20.0
 
 
 @dataclass(frozen=True)
-class MinPROParams:
+class MinPROParams(ClipRangeParams):
     """MinPRO: GRPO's clipped surrogate weighted by the prefix's minimum token ratio."""
 
     eps_low: float = param(0.2, "clip range of the current token's ratio: c_low = 1 - eps_low")
     eps_high: float = param(0.2, "clip range of the current token's ratio: c_high = 1 + eps_high")
-
-    def __post_init__(self) -> None:
-        self.check()
-
-    def check(self) -> None:
-        check_eps(self.eps_low, self.eps_high)
 
     def describe(self) -> str:
         return (
@@ -85,36 +72,14 @@ def prefix_min_weight(log_prob: Tensor, old_log_prob: Tensor, mask: Tensor) -> T
 
 @REGISTRY.register("minpro", params=MinPROParams)
 def minpro_loss(
-    log_prob: Tensor,
-    old_log_prob: Tensor,
-    advantages: Tensor,
-    mask: Tensor,
-    *,
-    eps_low: float = MinPROParams.eps_low,
-    eps_high: float = MinPROParams.eps_high,
-    dual_clip: float | None = 3.0,
-    agg: str = "token-mean",
-    global_tokens: float | Tensor | None = None,
-    global_seqs: float | Tensor | None = None,
-    norm_len: float | None = None,
+    log_prob: Tensor, inputs: RatioInputs, params: MinPROParams, aggregation: Aggregation
 ) -> tuple[Tensor, dict[str, Any]]:
     """MinPRO (module docstring). The prefix weight m_t > 0 multiplies the advantage, which
     leaves the side a ratio clips on unchanged: the clipped surrogate of the weighted advantage
     is m_t times the token's clipped surrogate. The metrics are the clipped surrogate's, with
     the mass r |m A| (rho is the positive share of the gradient weight the loss trains on)."""
-    MinPROParams(eps_low=eps_low, eps_high=eps_high)
-    c_low, c_high = 1.0 - float(eps_low), 1.0 + float(eps_high)
-    dual_clip = _check_dual_clip(dual_clip, c_low)
-    adv = _check_shapes(log_prob, old_log_prob, advantages, mask)
-    weight = prefix_min_weight(log_prob, old_log_prob, mask)
-    tok = prepare_tokens(log_prob, old_log_prob, adv * weight.to(adv.dtype), mask)
-    return clipped_surrogate(
-        tok,
-        c_low,
-        c_high,
-        dual_clip=dual_clip,
-        agg=agg,
-        global_tokens=global_tokens,
-        global_seqs=global_seqs,
-        norm_len=norm_len,
-    )
+    old, mask = inputs.old_log_prob, inputs.mask
+    adv = check_shapes(log_prob, old, inputs.advantages, mask)
+    weight = prefix_min_weight(log_prob, old, mask)
+    tok = prepare_tokens(log_prob, old, adv * weight.to(adv.dtype), mask)
+    return clipped_surrogate(tok, params.bounds(), params.dual_clip, aggregation)

@@ -1,6 +1,6 @@
 """VCPO (arXiv 2602.17616, "variance-controlled" off-policy RL; reference code
 github.com/mit-han-lab/vcpo): the sequence-level truncated-IS policy gradient, with two
-variance controls the trainer applies around the loss (`trainer/update.py`, `trainer/seq_grads.py`):
+variance controls the trainer applies around the loss when its `hooks()` ask (`contract.LossHooks`):
 
 1. **ESS-scaled step.** The update's effective sample size ratio (`algos.ess`, over the
    sequences' weights w_i = prod_t pi_theta / pi_behav, unclipped) scales the learning rate of
@@ -33,21 +33,16 @@ from typing import Any
 
 import torch
 
-from bapo_cli.algos.core import (
-    REGISTRY,
-    Aggregation,
-    Tensor,
-    prepare_tokens,
-    surrogate_metrics,
-)
-from bapo_cli.algos.params import ParamError, number, one_of, param
+from bapo_cli.algos.contract import Aggregation, LossHooks, RatioInputs
+from bapo_cli.algos.core import REGISTRY, Tensor, surrogate_metrics, tokens
+from bapo_cli.algos.params import LossParams, ParamError, number, one_of, param
 
 ESS_RULES = ("sqrt", "linear", "none")
 BASELINES = ("opob", "none")
 
 
 @dataclass(frozen=True)
-class VCPOParams:
+class VCPOParams(LossParams):
     """VCPO: sequence-level truncated IS, ESS-scaled step, off-policy min-variance baseline."""
 
     is_cap: float = param(
@@ -58,22 +53,16 @@ class VCPOParams:
     ess_base: float = param(
         1.0,
         "the step's lr is scaled by f(min(1, ESS/N / ess_base)) (VCPO's base_ess_ratio: 1.0)",
-        trainer=True,
     )
     ess_rule: str = param(
         "sqrt",
         "f of the ESS step scale: sqrt (VCPO's scripts), linear, or none (no step scaling)",
-        trainer=True,
     )
     baseline: str = param(
         "opob",
         "opob: re-centre each group's advantages on their ||g_i||^2 w_i^2-weighted mean (one "
         "extra forward and a backward per sequence per update); none: GRPO's advantages",
-        trainer=True,
     )
-
-    def __post_init__(self) -> None:
-        self.check()
 
     def check(self) -> None:
         if not 1.0 <= number("is_cap", self.is_cap) < math.inf:
@@ -91,6 +80,10 @@ class VCPOParams:
     def lr_scale(self, ess: float) -> float:
         """The step's learning-rate factor for an ESS ratio `ess` in [0, 1]."""
         return step_scale(ess, float(self.ess_base), self.ess_rule)
+
+    def hooks(self) -> LossHooks:
+        recentre = opob_baseline if self.baseline == "opob" else None
+        return LossHooks(lr_scale=self.lr_scale, recentre=recentre)
 
 
 def step_scale(ess: float, base: float, rule: str) -> float:
@@ -141,48 +134,34 @@ def opob_recentre(advantages: Tensor, groups: Tensor, v: Tensor) -> Tensor:
     return out.to(advantages.dtype)
 
 
-@REGISTRY.register("vcpo", params=VCPOParams)
+def opob_baseline(
+    grad_sq_norm: Tensor, log_w: Tensor, groups: Tensor, advantages: Tensor
+) -> Tensor:
+    """The `recentre` hook of baseline=opob: each group's advantages re-centred on their
+    ||g_i||^2 w_i^2-weighted mean (the trainer measures ||g_i||^2 and log w_i per update)."""
+    return opob_recentre(advantages, groups, baseline_weights(grad_sq_norm, log_w, groups))
+
+
+@REGISTRY.register("vcpo", params=VCPOParams, agg="seq-mean-token-mean")
 def vcpo_loss(
-    log_prob: Tensor,
-    old_log_prob: Tensor,
-    advantages: Tensor,
-    mask: Tensor,
-    *,
-    is_cap: float = VCPOParams.is_cap,
-    dual_clip: float | None = None,
-    agg: str = "seq-mean-token-mean",
-    global_tokens: float | Tensor | None = None,
-    global_seqs: float | Tensor | None = None,
-    norm_len: float | None = None,
+    log_prob: Tensor, inputs: RatioInputs, params: VCPOParams, aggregation: Aggregation
 ) -> tuple[Tensor, dict[str, Any]]:
     """VCPO's loss (module docstring): every valid token with A != 0 carries the gradient
     -min(w_i, C) A_i grad log pi. clipfrac_high counts the tokens of sequences whose weight was
     truncated (w_i > C); c_low reports 0 (no lower bound) and c_high the cap C (a bound on the
-    sequence's weight, not on a token's ratio). dual_clip is not used."""
-    VCPOParams(is_cap=is_cap)
-    aggregation = Aggregation.checked(log_prob.dim(), agg, global_tokens, global_seqs, norm_len)
+    sequence's weight, not on a token's ratio). The algo group's dual_clip does not apply."""
     if log_prob.dim() != 2:
         raise ValueError(
             f"vcpo needs [B, T] tensors (its weight is a sequence's), got {tuple(log_prob.shape)}"
         )
-    tok = prepare_tokens(log_prob, old_log_prob, advantages, mask)
+    tok = tokens(log_prob, inputs)
     with torch.no_grad():
         log_w = tok.log_ratio.double().sum(dim=-1, keepdim=True)  # 0 on invalid tokens
-        cap = math.log(float(is_cap))
+        cap = math.log(float(params.is_cap))
         weight = torch.exp(log_w.clamp(max=cap)).to(tok.r.dtype).expand_as(tok.r)
         truncated = (log_w > cap).expand_as(tok.valid) & tok.valid
     grad_only = tok.ratio / tok.r  # value 1, gradient grad log pi
     loss_tok = -tok.adv * weight * grad_only
-    loss = aggregation(loss_tok, tok.valid)
-    metrics = surrogate_metrics(
-        tok,
-        ratio=tok.r,
-        weight=weight,
-        active_pos=tok.pos,
-        active_neg=tok.neg,
-        clipped_low=torch.zeros_like(tok.valid),
-        clipped_high=truncated & (tok.pos | tok.neg),
-        c_low=0.0,
-        c_high=float(is_cap),
-    )
-    return loss, metrics
+    clipped = (torch.zeros_like(tok.valid), truncated & (tok.pos | tok.neg))
+    metrics = surrogate_metrics(tok, (0.0, float(params.is_cap)), clipped, weight=weight)
+    return aggregation(loss_tok, tok.valid), metrics

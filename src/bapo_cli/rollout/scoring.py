@@ -25,8 +25,11 @@ from bapo_cli.rollout.logprobs import DEFAULT_CHUNK, accumulate_dtype, chunked_l
 Tensor = torch.Tensor
 
 
-@dataclass
+@dataclass(frozen=True, eq=False)
 class MicroBatch:
+    """Samples as padded tensors, made by `collate` and never changed after: what the trainer
+    measures about it later lives beside it (`trainer/off_policy.py` `Prepared`)."""
+
     samples: list[Sample]
     input_ids: Tensor  # [b, L] prompt + response, right-padded
     attention_mask: Tensor  # [b, L]
@@ -35,13 +38,9 @@ class MicroBatch:
     mask: Tensor  # [b, R] bool, True on real response tokens
     old_log_prob: Tensor  # [b, R] behaviour log-probs (0 where unknown or masked)
     versions: Tensor  # [b, R] policy version that sampled each token
-    advantages: Tensor  # [b] one advantage per response
+    advantages: Tensor  # [b] one advantage per response (`Sample.advantage` when collated)
     token_rows: Tensor  # [N] row of each real response token (row-major order)
     token_cols: Tensor  # [N] its column in the [b, R] response layout
-    old_is_current: bool = False  # behaviour log-probs are those of the weights that will train
-    # the behaviour log-probs once old_log_prob holds a proximal policy's (trainer.old_logprob=
-    # recompute): M2PO's second moment and the ESS read them; None = old_log_prob is behaviour
-    behav_log_prob: Tensor | None = None
 
     @property
     def unscored(self) -> bool:
@@ -90,6 +89,7 @@ def collate(
         input_ids[i, : p + r] = torch.tensor(s.prompt_ids + s.response_ids, dtype=torch.long)
         attention[i, : p + r] = 1
         gather_pos[i] = (p - 1 + torch.arange(resp)).clamp(max=width - 1)
+        adv[i] = s.advantage
         if r:
             targets[i, :r] = torch.tensor(s.response_ids, dtype=torch.long)
             mask[i, :r] = True

@@ -1,31 +1,33 @@
-"""VCPO's off-policy minimum-variance baseline at the update (`algo=vcpo`, `algo.baseline=opob`):
-each sequence's score-gradient norm ||g_i||^2, g_i = grad_theta sum_t log pi_theta(y_it), and its
-weight w_i = prod_t pi_theta / pi_behav, then each prompt group's advantages re-centred on their
-||g_i||^2 w_i^2-weighted mean (`algos.vcpo.opob_recentre`; formulas in docs/algorithms.md).
+"""Per-sequence score-gradient norms, for a loss whose advantages are re-centred per update
+(`LossHooks.recentre`; VCPO's off-policy minimum-variance baseline, `algo=vcpo`,
+`algo.baseline=opob`): each sequence's ||g_i||^2, g_i = grad_theta sum_t log pi_theta(y_it), and
+its log weight log w_i = sum_t log pi_theta / pi_behav, handed with the groups and advantages to
+the hook (formulas in docs/algorithms.md).
 
 The norms need one gradient per sequence, which a batched backward does not give: one extra
 forward per micro-batch (with gradient), then one `torch.autograd.grad` per sequence over that
-graph (kept until the micro-batch's last sequence). VCPO's reference code gets the same norms by
+graph (kept until the micro-batch's last sequence), as VCPO's reference code gets them by
 back-propagating each trajectory in its own micro-batch of one (`update_policy_per_traj`). The
 pass reads gradients without touching `.grad` (the update's accumulated gradients stay as they
 are) and runs on the unwrapped module under DDP (no reducer hooks, no collective: the baseline
-is rank-local over the groups of this rank, as VCPO's `compute_opob_baseline` over its local
-records). A group split over micro-batches is re-centred as one.
+is rank-local over the groups of this rank, as VCPO's `compute_opob_baseline`). A group split
+over micro-batches is re-centred as one.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import dataclasses
+from collections.abc import Callable, Sequence
 
 import torch
 
 from bapo_cli.algos import ess as ess_lib
-from bapo_cli.algos import vcpo
 from bapo_cli.rollout.scoring import MicroBatch, token_logprobs
+from bapo_cli.trainer.off_policy import Prepared
 
 Tensor = torch.Tensor
 
-__all__ = ["opob_advantages", "score_grad_sq_norms"]
+__all__ = ["recentre", "score_grad_sq_norms"]
 
 
 def score_grad_sq_norms(
@@ -49,36 +51,31 @@ def score_grad_sq_norms(
     return out, logp.detach()
 
 
-def opob_advantages(
-    model: torch.nn.Module, micro: Sequence[MicroBatch], temperature: float
-) -> dict[str, float]:
-    """Re-centre the per-sequence advantages of every micro-batch of one update in place (the
-    trainer resets them from the samples before each update, so this never accumulates).
-    Returns the pass's metrics: `opob_shift`, the mean |baseline shift| over the sequences."""
-    sq, log_w, adv, groups, sizes = [], [], [], [], []
-    for mb in micro:
-        if mb.advantages.dim() != 1:
-            raise ValueError(
-                "algo.baseline=opob re-centres per-sequence advantages; this micro-batch has "
-                "per-token ones (rollout.tis_cap, rollout.seq_mask or algo.behav_weight_cap)"
-            )
-        norms, logp = score_grad_sq_norms(model, mb, temperature)
-        if mb.old_is_current:  # deferred scoring: the behaviour log-probs are these weights'
-            mb.old_log_prob, mb.old_is_current = logp, False
-        behav = mb.behav_log_prob if mb.behav_log_prob is not None else mb.old_log_prob
+def recentre(
+    model: torch.nn.Module,
+    temperature: float,
+    prepared: Sequence[Prepared],
+    hook: Callable[[Tensor, Tensor, Tensor, Tensor], Tensor],
+) -> tuple[list[Prepared], dict[str, float]]:
+    """The micro-batches of one update with their per-sequence advantages re-centred by `hook`
+    (the loss's `LossHooks.recentre`), from this update's weights; a deferred one's behaviour
+    log-probs are this pass's forward. Returns them and `opob_shift`, the mean |shift|."""
+    if not prepared:
+        return [], {}
+    sq, log_w, groups, out = [], [], [], []
+    for p in prepared:
+        norms, logp = score_grad_sq_norms(model, p.mb, temperature)
+        p = p if p.behaviour is not None else p.scored(logp)
         sq.append(norms)
-        log_w.append(ess_lib.sequence_log_weights(logp, behav, mb.mask).cpu())
-        adv.append(mb.advantages.detach().cpu())
-        groups.append(torch.tensor([s.group for s in mb.samples]))
-        sizes.append(len(mb.samples))
-    if not micro:
-        return {}
-    g = torch.cat(groups)
-    v = vcpo.baseline_weights(torch.cat(sq), torch.cat(log_w), g)
-    before = torch.cat(adv)
-    after = vcpo.opob_recentre(before, g, v)
+        log_w.append(ess_lib.sequence_log_weights(logp, p.behaviour, p.mb.mask).cpu())
+        groups.append(torch.tensor([s.group for s in p.mb.samples]))
+        out.append(p)
+    before = torch.cat([p.advantages.detach().cpu() for p in out])
+    after = hook(torch.cat(sq), torch.cat(log_w), torch.cat(groups), before)
     start = 0
-    for mb, n in zip(micro, sizes, strict=True):
-        mb.advantages = after[start : start + n].to(mb.advantages.device, mb.advantages.dtype)
+    for i, p in enumerate(out):
+        n = len(p.mb.samples)
+        adv = after[start : start + n].to(p.advantages.device, p.advantages.dtype)
+        out[i] = dataclasses.replace(p, advantages=adv)
         start += n
-    return {"opob_shift": float((after.double() - before.double()).abs().mean())}
+    return out, {"opob_shift": float((after.double() - before.double()).abs().mean())}

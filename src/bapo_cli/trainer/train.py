@@ -288,7 +288,7 @@ def _build(
         prompts=prompts,
         engine_name=engine_name,
         engine=engine,
-        spec=loss_spec(cfg.algo, cfg.rollout.max_tokens, cfg.trainer.old_logprob),
+        spec=loss_spec(cfg.algo, cfg.rollout.max_tokens),
         optimizer=optimizer,
         scheduler=scheduler,
         last_ckpt=resume_from,

@@ -110,7 +110,8 @@ def _schema_type(hint: Any) -> Any:
 @functools.cache
 def _algo_schema(entry: Any) -> type:
     """AlgoConfig's fields + the fields of `entry.params` (type, default, help), checked by
-    AlgoConfig.check and the params' own check (its ParamError becomes a ConfigError)."""
+    AlgoConfig.check and the params' own check (its ParamError becomes a ConfigError). A field
+    marked `shared` is AlgoConfig's own option (dual_clip); one marked `runtime` is no option."""
     param_error = registries.load(registries.PARAMS, "ParamError")
     hints = typing.get_type_hints(entry.params)
     own = [
@@ -120,6 +121,7 @@ def _algo_schema(entry: Any) -> type:
             opt(list(f.default) if isinstance(f.default, tuple) else f.default, f.metadata["help"]),
         )
         for f in dataclasses.fields(entry.params)
+        if not (f.metadata.get("shared") or f.metadata.get("runtime"))
     ]
 
     def check(self: Any) -> None:
