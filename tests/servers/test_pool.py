@@ -21,13 +21,9 @@ import torch
 from bapo_cli.models import loading as models
 from bapo_cli.rollout import weights_fs
 from bapo_cli.rollout.base import FINISH_STOP, Request, SamplingParams
+from bapo_cli.rollout.identity import ModelIdentity, model_identity
 from bapo_cli.rollout.server_engine import request_seeds
-from bapo_cli.rollout.servers import (
-    ModelIdentity,
-    ServerError,
-    ServerPool,
-    model_identity,
-)
+from bapo_cli.rollout.servers import ServerError, ServerPool
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 

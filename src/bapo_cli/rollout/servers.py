@@ -3,7 +3,7 @@ token's engine log-prob and weight version kept, dead servers' requests re-sent 
 weights pushed to every server.
 
     pool = ServerPool(["http://127.0.0.1:8001", "http://127.0.0.1:8002"],
-                      expect=model_identity(model_dir), weights_dir="/shared/weights")
+                      expect=identity.model_identity(model_dir), weights_dir="/shared/weights")
     pool.start(version=0)                # each answers, serves the run's model; labelled 0
     gens = pool.generate(requests, params, seeds, eos_ids)   # Generation + per-token versions
     pool.publish(model.named_parameters(), version=7, interrupt=False)
@@ -27,28 +27,24 @@ asked `GET /health` every `revive_s`; once it answers, it is checked again (same
 the newest weights version before it takes requests.
 
 Weights (`publish`, the filesystem transport): the trainer writes the version under
-`weights_dir` (`weights_fs.write_version`, atomic), then every live server, in parallel:
+`weights_dir` (`weights_fs.write_version`, atomic), then every live server, in parallel, is
+paused (`mode=keep` freezes running requests under staleness.interrupt, `wait` lets them finish),
+reloads in place (`/collective_rpc bapo_reload`, vllm_ext.BapoWorkerExtension), resets its prefix
+cache with the running requests (their KV was computed by the old weights: they are re-prefilled;
+vLLM 0.32's pause does it by default, asked again so the guarantee does not hang on that), stamps
+the version (`/update_weight_version N`) and resumes; then the versions every server has left
+behind are deleted (the newest is kept for a server that comes back). A push is checked by the
+log-probs it changes (the probe), never by the calls returning: vLLM's NCCL path answers success
+off CUDA and moves nothing.
 
-    POST /pause?mode=keep|wait         keep: freeze running requests (staleness.interrupt);
-                                       wait: let them finish first (one version per response)
-    POST /collective_rpc bapo_reload   each worker reloads in place (vllm_ext.BapoWorkerExtension)
-    POST /reset_prefix_cache?reset_running_requests=true
-                                       cached and running KV was computed by the old weights: the
-                                       frozen requests are re-prefilled (prompt + their tokens so
-                                       far) by the new ones, as the CPU worker's interrupt does
-                                       (vLLM 0.32's pause already clears the caches this way by
-                                       default; asked again here so the guarantee does not hang
-                                       on that default)
-    POST /update_weight_version N      tokens sampled from now on are stamped N
-    POST /resume
-
-then the versions every server has left behind are deleted (the newest is kept for a server that
-comes back). A push is checked by the log-probs it changes (tests), never by the calls
-returning: vLLM's NCCL path answers success off CUDA and moves nothing.
-
-Start-up (`check`): every URL answers; its model has the run's architecture and vocabulary size
-(asked through the worker extension); its context window holds the run's; the generate route is
-on. Each refusal is one line naming the URL and what to do.
+Start-up (`check`): every URL answers; its model has the run's architecture, vocabulary size and
+shapes (asked through the worker extension); its context window holds the run's; the generate
+route is on; with an `owner`, the pool claims it (`rollout.claims`: one training run at a time,
+refused in one line naming the run that holds it) and renews the claim until `close`. Each
+refusal is one line naming the URL and what to do. A reload is answered with the lease it renewed
+and the fingerprint of what the server read: another holder in between, or a fingerprint that is
+not the written version's (`weights_fs.fingerprint`), stops the push (`ServerTaken`,
+`PushMissed`) instead of marking the server down.
 """
 
 from __future__ import annotations
@@ -70,7 +66,7 @@ from typing import Any
 
 import torch
 
-from bapo_cli.rollout import weights_fs
+from bapo_cli.rollout import identity, weights_fs
 from bapo_cli.rollout.base import (
     FINISH_BUDGET,
     FINISH_LENGTH,
@@ -79,6 +75,8 @@ from bapo_cli.rollout.base import (
     Request,
     SamplingParams,
 )
+from bapo_cli.rollout.claims import Claims, Owner, check_load
+from bapo_cli.rollout.lease import LEASE_S, LeaseLost, LeaseRefused
 from bapo_cli.rollout.serve import EXTENSION
 
 GENERATE = "/inference/v1/generate"
@@ -105,24 +103,12 @@ class PoolClosed(ServerError):
     """`close()` was called while requests were waiting: their answers are not wanted."""
 
 
-@dataclass(frozen=True)
-class ModelIdentity:
-    """What must match between the run's model and a server's: architecture and vocabulary."""
-
-    architectures: tuple[str, ...]
-    vocab_size: int
-
-    def describe(self) -> str:
-        return f"{'/'.join(self.architectures) or 'unknown architecture'}, vocab {self.vocab_size}"
+class ServerTaken(ServerError):
+    """Another run holds a server (or held it since this run's last renewal); one line."""
 
 
-def model_identity(source: Path | str, trust_remote_code: bool = False) -> ModelIdentity:
-    """The run's model identity from its config (no weights loaded)."""
-    from transformers import AutoConfig
-
-    cfg = AutoConfig.from_pretrained(str(source), trust_remote_code=trust_remote_code)
-    text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
-    return ModelIdentity(tuple(cfg.architectures or ()), int(text.vocab_size))
+class PushMissed(ServerError):
+    """A server answered a reload without having read the version written; one line."""
 
 
 @dataclass
@@ -135,6 +121,7 @@ class Server:
     resent: int = 0  # requests taken from it when it went down
     next_probe: float = 0.0
     last_error: str = ""
+    info: dict[str, Any] | None = None  # its worker extension's bapo_model_info, at the check
 
 
 @dataclass
@@ -166,12 +153,15 @@ class ServerPool:
         self,
         urls: Sequence[str],
         *,
-        expect: ModelIdentity | None = None,
+        expect: identity.ModelIdentity | None = None,
         max_model_len: int | None = None,
         weights_dir: Path | str | None = None,
         max_in_flight: int = 128,
         request_timeout_s: float = REQUEST_TIMEOUT_S,
         revive_s: float = REVIVE_S,
+        owner: Owner | None = None,
+        base: str | None = None,
+        stamped: bool = True,
     ) -> None:
         if not urls:
             raise ServerError("rollout.servers is empty; give one URL or more (bapo serve)")
@@ -195,6 +185,12 @@ class ServerPool:
         self.revive_mode = "abort"
         self.closed = threading.Event()  # close(): generate() stops waiting for answers
         self.events: list[str] = []  # one line per server going down or coming back
+        # who holds the servers (None: claims nothing, and a server a run holds refuses its
+        # pushes); `base`: the fingerprint of the model pushed weights derive from, recorded
+        # by the server for `bapo eval` (weights_fs.model_fingerprint)
+        self.claims = Claims(owner, self.rpc) if owner is not None else None
+        self.base = base
+        self.stamped = stamped  # False: the tokens' weight versions are not read (bapo eval)
 
     # ------------------------------------------------------------------------------ start-up
 
@@ -206,10 +202,13 @@ class ServerPool:
         self.push(directory, version, interrupt=False)
 
     def check(self) -> None:
-        """Every server answers and serves the run's model; ServerError (one line) otherwise."""
+        """Every server answers and serves the run's model (and, with an owner, is claimed; the
+        claims are renewed from then on); ServerError (one line) otherwise."""
         for server in self.servers:
             self._check_one(server)
             server.alive = True
+        if self.claims is not None:
+            self.claims.start(lambda: [s.url for s in self.servers if s.alive])
 
     def _check_one(self, server: Server) -> None:
         url = server.url
@@ -230,15 +229,12 @@ class ServerPool:
                 "/collective_rpc); start it with `bapo serve`, or run vLLM with "
                 f"VLLM_SERVER_DEV_MODE=1 and --worker-extension-cls {EXTENSION}"
             ) from None
-        served = ModelIdentity(tuple(info["architectures"]), int(info["vocab_size"]))
-        if self.expect is not None and served != self.expect:
-            raise ServerError(
-                f"the server {url} serves another model ({served.describe()}) than the run's "
-                f"({self.expect.describe()}); start it for this run's model (bapo serve with the "
-                "same model overrides)"
-            )
+        wrong = identity.mismatch(url, info, self.expect)
+        if wrong is not None:
+            raise ServerError(wrong)
+        server.info = info
         if self.max_model_len is not None:
-            window = _served_window(url)
+            window = identity.served_window(url, call)
             if window is not None and window < self.max_model_len:
                 raise ServerError(
                     f"the server {url} holds {window} tokens per sequence, less than the run's "
@@ -253,6 +249,37 @@ class ServerPool:
                     f"the server {url} does not offer {GENERATE} (HTTP {exc.status}); start it "
                     "with `bapo serve`, or run vLLM with --enable-scale-out"
                 ) from None
+        if self.claims is not None:
+            try:
+                answered = self.claims.claim(url)
+            except LeaseRefused as exc:
+                raise ServerTaken(str(exc)) from None
+            if not answered:
+                raise ServerError(
+                    f"the server {url} cannot be claimed for this run (no answer to bapo_claim); "
+                    "restart it with this bapo-cli's `bapo serve`"
+                )
+
+    def rpc(self, url: str, method: str, args: list[str]) -> list[dict[str, Any]] | None:
+        """Every worker's answer to one extension method (`rollout.claims`' rpc), None when the
+        server does not answer it."""
+        try:
+            answer = call(url, "POST", "/collective_rpc", {"method": method, "args": args})
+        except ServerError:
+            return None
+        results = answer.get("results") if isinstance(answer, dict) else None
+        if not isinstance(results, list) or not all(isinstance(r, dict) for r in results):
+            return None
+        return results or None
+
+    def confirm(self) -> None:
+        """Renew the claims now; ServerTaken (one line) if a server was held by another run or
+        process since the last renewal: what it sampled since may be another run's."""
+        if self.claims is None:
+            return
+        lost = self.claims.renew([s.url for s in self.servers if s.alive])
+        if lost is not None:
+            raise ServerTaken(lost)
 
     # ---------------------------------------------------------------------------- generation
 
@@ -314,7 +341,7 @@ class ServerPool:
                         continue
                     if out[i] is not None:  # a request has one result: never reached
                         raise RuntimeError(f"request {i} answered twice")
-                    out[i] = _served(answer, requests[i].max_tokens, server.url)
+                    out[i] = _served(answer, requests[i].max_tokens, server.url, self.stamped)
                     server.completed += 1
         finally:  # closed: do not wait for answers nobody will read
             ex.shutdown(wait=not self.closed.is_set(), cancel_futures=True)
@@ -413,19 +440,15 @@ class ServerPool:
                 with contextlib.suppress(ServerError):
                     call(server.url, "POST", "/pause?mode=abort", None, CHECK_TIMEOUT_S)
                     call(server.url, "POST", "/resume", None, CHECK_TIMEOUT_S)
+        if self.claims is not None:  # the servers are free for the next run at once
+            self.claims.release([s.url for s in self.servers])
 
     def _push_one(self, server: Server, directory: Path | None, version: int, mode: str) -> None:
         url = server.url
         call(url, "POST", f"/pause?mode={mode}", None, PUSH_TIMEOUT_S)
         try:
             if directory is not None:  # None: the server's own start weights are version 0
-                call(
-                    url,
-                    "POST",
-                    "/collective_rpc",
-                    {"method": "bapo_reload", "args": [str(directory), str(version)]},
-                    PUSH_TIMEOUT_S,
-                )
+                self._reload(url, directory, version)
             reset = call(
                 url,
                 "POST",
@@ -442,6 +465,28 @@ class ServerPool:
             with contextlib.suppress(ServerError):
                 call(url, "POST", "/resume", None, CHECK_TIMEOUT_S)
         server.version = version
+
+    def _reload(self, url: str, directory: Path, version: int) -> None:
+        """One server reloads `version` for this pool's owner; ServerTaken if the lease table
+        refuses it or another holder came in between, PushMissed if what it read is not what
+        was written (the marker's fingerprint)."""
+        who = self.claims.reload_args() if self.claims is not None else ["", ""]
+        args = [str(directory), str(version), *who, self.base or "", str(LEASE_S)]
+        body = {"method": "bapo_reload", "args": args}
+        answers = call(url, "POST", "/collective_rpc", body, PUSH_TIMEOUT_S).get("results") or []
+        try:
+            check_load(self.claims, url, answers)
+        except (LeaseRefused, LeaseLost) as exc:
+            raise ServerTaken(str(exc)) from None
+        written = weights_fs.read_marker(directory).get("fingerprint")
+        read = {a.get("fingerprint") for a in answers}
+        if written is not None and (not answers or read != {written}):
+            raise PushMissed(
+                f"the generation server {url} answered the reload of version {version} without "
+                f"reading it (fingerprint {sorted(map(str, read))} of what it read, {written} "
+                "written): something between this run and its model answers for it; point "
+                "rollout.servers at the server itself (bapo serve)"
+            )
 
     def probe(self, token_ids: Sequence[int]) -> dict[str, tuple[int, list[float]]]:
         """Each live server's log-probs of `token_ids[1:]` given the tokens before (a fixed probe
@@ -525,15 +570,6 @@ def _reason(exc: Any) -> str:
     return getattr(exc, "strerror", None) or str(exc) or type(exc).__name__
 
 
-def _served_window(url: str) -> int | None:
-    """The served model's context window (`/v1/models`), or None if it does not say."""
-    with contextlib.suppress(ServerError, KeyError, IndexError, TypeError):
-        return int(
-            call(url, "GET", "/v1/models", None, CHECK_TIMEOUT_S)["data"][0]["max_model_len"]
-        )
-    return None
-
-
 def _generate_body(
     req: Request, params: SamplingParams, seed: int, eos_ids: Sequence[int], ignore_eos: bool
 ) -> dict[str, Any]:
@@ -559,17 +595,20 @@ def _generate_body(
     }
 
 
-def _served(answer: dict[str, Any], budget: int, url: str) -> ServedGeneration:
-    """The server's answer → tokens, their log-probs and versions, and why it stopped (as
-    rollout.vllm's `_generation`: end token or stop string; this round's budget; else the
-    context window)."""
+def _served(
+    answer: dict[str, Any], budget: int, url: str, stamped: bool = True
+) -> ServedGeneration:
+    """The server's answer → tokens, their log-probs and versions (`stamped`; else None: an
+    evaluation needs none, and a fresh server labels its weights 'default'), and why it
+    stopped (as rollout.vllm's `_generation`: end token or stop string; this round's budget;
+    else the context window)."""
     choice = answer["choices"][0]
     tokens = [int(t) for t in choice.get("token_ids") or []]
     content = (choice.get("logprobs") or {}).get("content") or []
     logprobs = [float(c["logprob"]) for c in content]
     if len(logprobs) != len(tokens):
         raise HTTPStatus(502, f"{url} returned {len(tokens)} tokens but {len(logprobs)} log-probs")
-    versions = _token_versions(choice.get("weight_versions"), len(tokens), url)
+    versions = _token_versions(choice.get("weight_versions"), len(tokens), url) if stamped else None
     if choice.get("finish_reason") == "stop":
         reason = FINISH_STOP
     elif len(tokens) >= budget:
