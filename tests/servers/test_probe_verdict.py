@@ -40,7 +40,9 @@ def test_a_server_within_the_tolerance_passes_and_one_beyond_stops() -> None:
         "staleness.probe_tolerance if its kernels differ this much"
     )
     line = probe.verdict(URL, 3, 2, want, want, before, 0.01)
-    assert line.startswith(f"the generation server {URL} stamps version 2 after the push of version 3")
+    assert line.startswith(
+        f"the generation server {URL} stamps version 2 after the push of version 3"
+    )
 
 
 def test_a_server_still_at_the_version_before_stops_below_the_tolerance() -> None:

@@ -44,7 +44,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 MARKER = "STABLE"
@@ -82,7 +82,8 @@ def check_writable(root: Path | str) -> Path:
 def write_version(
     named: Iterable[tuple[str, torch.Tensor]], root: Path | str, version: int
 ) -> Path:
-    """Write one version atomically; returns its final directory.
+    """Write one version atomically; returns its final directory. OSError when it cannot be
+    written (a full disk: ENOSPC), nothing left behind.
 
     Tensors are written as they come (`lora.engine_weights` merges adapters lazily), made
     contiguous on the CPU; a name given twice is written once (its first tensor), and two names
@@ -102,7 +103,10 @@ def write_version(
                 t = t.clone()  # safetensors refuses tensors sharing memory
             storages.add(t.untyped_storage().data_ptr())
             tensors[name] = t
-        save_file(tensors, str(tmp / WEIGHTS), metadata={"version": str(version)})
+        try:
+            save_file(tensors, str(tmp / WEIGHTS), metadata={"version": str(version)})
+        except SafetensorError as exc:  # its I/O errors (a full disk) are not OSError
+            raise _os_error(exc) from None
         size = sum(t.numel() * t.element_size() for t in tensors.values())
         marker = {
             "version": version,
@@ -260,6 +264,14 @@ def _written_by_live(name: str) -> bool:
     except PermissionError:
         return True
     return True
+
+
+def _os_error(exc: SafetensorError) -> OSError:
+    """safetensors' I/O error as the OSError it wraps ("... (os error 28)": ENOSPC)."""
+    m = re.search(r"os error (\d+)", str(exc))
+    if m is None:
+        return OSError(str(exc))
+    return OSError(int(m.group(1)), os.strerror(int(m.group(1))))
 
 
 def _write_synced(path: Path, data: bytes | None) -> None:

@@ -446,8 +446,10 @@ class ServerWorker:
         return out
 
     def close(self) -> None:
-        """Stop the generation thread (answers still coming are not waited for) and remove the
-        versions this run wrote; the servers keep running, holding the last version."""
+        """Stop the generation thread (answers still coming are not waited for), release the
+        servers and remove the versions this run wrote (and its own directory under a shared
+        staleness.weights_dir, once empty); the servers keep running, holding the last
+        version."""
         self.pool.close()
         self._requests.put(None)
         self._thread.join(timeout=CLOSE_WAIT_S)
@@ -455,6 +457,9 @@ class ServerWorker:
             mine, self._mine = self._mine, []
         with contextlib.suppress(OSError):
             weights_fs.remove(self.root, mine)
+            if not [p for p in self.root.iterdir() if p.name != RUN_FILE]:  # its own, now empty
+                (self.root / RUN_FILE).unlink(missing_ok=True)
+                self.root.rmdir()
 
     def _write_error(self, exc: OSError, version: int) -> str:
         return (
