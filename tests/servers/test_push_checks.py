@@ -66,10 +66,13 @@ class ReloadProxy(ThreadingHTTPServer):
             return {"results": [{"version": version, "tensors": 26, "seconds": 0.01}]}
         run, nonce, lease_s = args[2], args[3], args[5]
         claim = {"method": "bapo_claim", "args": [run, nonce, "train", lease_s]}
-        grant = _forward(self.target + "/collective_rpc", "POST", json.dumps(claim).encode())[1]
+        status, grant = _forward(
+            self.target + "/collective_rpc", "POST", json.dumps(claim).encode()
+        )
+        grants = (json.loads(grant).get("results") if status == 200 else None) or [{}]
         marker = weights_fs.read_marker(directory)
         extra = {"version": version, "fingerprint": marker.get("fingerprint")}
-        return {"results": [r | extra for r in json.loads(grant)["results"]]}
+        return {"results": [r | extra for r in grants]}
 
 
 class _Handler(BaseHTTPRequestHandler):
