@@ -144,12 +144,27 @@ class Claims:
                 self.rpc(url, "bapo_release", [o.run, o.nonce])
 
 
-def check_load(claims: Claims | None, url: str, answers: list[dict[str, Any]]) -> None:
-    """A reload's answers: LeaseRefused / LeaseLost for a holder (`Claims.check`); for a pool
-    that claims nothing (a tool, a test), LeaseRefused when a run holds the server."""
-    if claims is not None:
-        claims.check(url, answers)
-        return
-    for answer in answers:
-        if not answer.get("granted", True):
-            raise LeaseRefused(refusal(url, answer, "a push that names no run is refused"))
+def check_reload(
+    claims: Claims | None, url: str, answers: list[dict[str, Any]], marker: dict[str, Any]
+) -> str | None:
+    """A reload's answers: LeaseRefused / LeaseLost for a holder (`Claims.check`; for a pool
+    that claims nothing, a tool or a test, LeaseRefused when a run holds the server); the line
+    saying the server did not read the version when the answers lack the fingerprint the
+    marker records (an answer without a lease is not the extension's: the fingerprint tells)."""
+    if answers and all("granted" in a for a in answers):
+        if claims is not None:
+            claims.check(url, answers)
+        for answer in answers:
+            if not answer["granted"]:
+                raise LeaseRefused(refusal(url, answer, "a push that names no run is refused"))
+    written = marker.get("fingerprint")
+    read = {a.get("fingerprint") for a in answers}
+    if written is None or (answers and read == {written}):
+        return None
+    version = marker.get("version")
+    return (
+        f"the generation server {url} answered the reload of version {version} without reading "
+        f"it (fingerprint {sorted(map(str, read))} of what it read, {written} written): "
+        "something between this run and its model answers for it; point rollout.servers at the "
+        "server itself (bapo serve)"
+    )

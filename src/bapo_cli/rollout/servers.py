@@ -37,13 +37,11 @@ behind are deleted (the newest is kept for a server that comes back). A push is 
 log-probs it changes (the probe), never by the calls returning: vLLM's NCCL path answers success
 off CUDA and moves nothing.
 
-Start-up (`check`): every URL answers; its model has the run's architecture, vocabulary size and
-shapes (asked through the worker extension); its context window holds the run's; the generate
-route is on; with an `owner`, the pool claims it (`rollout.claims`: one training run at a time,
-refused in one line naming the run that holds it) and renews the claim until `close`. Each
-refusal is one line naming the URL and what to do. A reload is answered with the lease it renewed
-and the fingerprint of what the server read: another holder in between, or a fingerprint that is
-not the written version's (`weights_fs.fingerprint`), stops the push (`ServerTaken`,
+Start-up (`check`): every URL answers; its model has the run's architecture, vocabulary and
+shapes (`rollout.identity`); its context window holds the run's; the generate route is on; with
+an `owner`, it is claimed (`rollout.claims`: one training run at a time) until `close`. Each
+refusal is one line naming the URL and what to do. A reload that another holder refuses, or
+whose answer lacks the written version's fingerprint, stops the push (`ServerTaken`,
 `PushMissed`) instead of marking the server down.
 """
 
@@ -75,7 +73,7 @@ from bapo_cli.rollout.base import (
     Request,
     SamplingParams,
 )
-from bapo_cli.rollout.claims import Claims, Owner, check_load
+from bapo_cli.rollout.claims import Claims, Owner, check_reload
 from bapo_cli.rollout.lease import LEASE_S, LeaseLost, LeaseRefused
 from bapo_cli.rollout.serve import EXTENSION
 
@@ -376,6 +374,9 @@ class ServerPool:
             try:
                 self._check_one(server)
                 self._load_revived(server)
+            except ServerTaken as exc:  # back, but another run holds it now
+                server.last_error = str(exc)
+                return False
             except (ServerError, HTTPStatus):
                 return False  # still down: `last_error` keeps why it went down
             server.alive = True
@@ -474,20 +475,12 @@ class ServerPool:
         args = [str(directory), str(version), *who, self.base or "", str(LEASE_S)]
         body = {"method": "bapo_reload", "args": args}
         answers = call(url, "POST", "/collective_rpc", body, PUSH_TIMEOUT_S).get("results") or []
-        try:  # an answer without a lease is not the extension's: the fingerprint tells
-            if answers and all("granted" in a for a in answers):
-                check_load(self.claims, url, answers)
+        try:
+            missed = check_reload(self.claims, url, answers, weights_fs.read_marker(directory))
         except (LeaseRefused, LeaseLost) as exc:
             raise ServerTaken(str(exc)) from None
-        written = weights_fs.read_marker(directory).get("fingerprint")
-        read = {a.get("fingerprint") for a in answers}
-        if written is not None and (not answers or read != {written}):
-            raise PushMissed(
-                f"the generation server {url} answered the reload of version {version} without "
-                f"reading it (fingerprint {sorted(map(str, read))} of what it read, {written} "
-                "written): something between this run and its model answers for it; point "
-                "rollout.servers at the server itself (bapo serve)"
-            )
+        if missed is not None:
+            raise PushMissed(missed)
 
     def probe(self, token_ids: Sequence[int]) -> dict[str, tuple[int, list[float]]]:
         """Each live server's log-probs of `token_ids[1:]` given the tokens before (a fixed probe

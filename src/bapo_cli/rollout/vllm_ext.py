@@ -44,7 +44,7 @@ from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
 
 from bapo_cli.rollout import weights_fs
 from bapo_cli.rollout.identity import SHAPE_FIELDS
-from bapo_cli.rollout.lease import LeaseTable
+from bapo_cli.rollout.lease import LEASE_S, LeaseTable
 
 RELOAD_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
 FAILED_TO_LOAD = "%s: Failed to load weights"
@@ -72,21 +72,21 @@ class BapoWorkerExtension:
             "dtype": str(config.dtype).removeprefix("torch."),
             "source": str(config.model),
             "fingerprint": self._bapo_start_fingerprint,
-            "holds": self._bapo_leases().holds,
+            "holds": self.bapo_table().holds,
             "extension": EXTENSION,
         }
 
     def bapo_claim(self, run: str, nonce: str, kind: str, lease_s: str) -> dict[str, Any]:
         """Claim or renew this server for `run` (rollout.lease.LeaseTable.claim)."""
-        return self._bapo_leases().claim(run, nonce, kind, float(lease_s))
+        return self.bapo_table().claim(run, nonce, kind, float(lease_s))
 
     def bapo_release(self, run: str, nonce: str) -> dict[str, Any]:
-        self._bapo_leases().release(run, nonce)
+        self.bapo_table().release(run, nonce)
         return {"released": True}
 
     def bapo_leases(self) -> dict[str, Any]:
         """The live holders, claiming nothing (a look before a run starts)."""
-        return self._bapo_leases().state()
+        return self.bapo_table().state()
 
     def bapo_reload(
         self,
@@ -95,13 +95,13 @@ class BapoWorkerExtension:
         run: str = "",
         nonce: str = "",
         base: str = "",
-        lease_s: str = "60",
+        lease_s: str = str(LEASE_S),
     ) -> dict[str, Any]:
         """Load version `version` from `directory` (a complete `step_N`, marker checked) in
         place, if the lease table allows it (else its refusal, nothing loaded); returns the
         grant, the fingerprint of the tensors read (the client compares it with the marker's),
         the tensors loaded and the seconds it took on this worker."""
-        table = self._bapo_leases()
+        table = self.bapo_table()
         grant = table.load(run or None, nonce or None, float(lease_s))
         if not grant["granted"]:
             return grant
@@ -119,7 +119,8 @@ class BapoWorkerExtension:
             "seconds": time.perf_counter() - t0,
         }
 
-    def _bapo_leases(self) -> LeaseTable:
+    def bapo_table(self) -> LeaseTable:
+        """This worker's lease table (made at the first use; not meant to be called over HTTP)."""
         if not hasattr(self, "_bapo_lease_table"):
             self._bapo_lease_table = LeaseTable()
         return self._bapo_lease_table

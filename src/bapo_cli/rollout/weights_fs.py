@@ -194,9 +194,9 @@ def model_fingerprint(source: Path | str) -> str | None:
 def _sample(t: torch.Tensor) -> torch.Tensor:
     """The values a fingerprint reads: the first SAMPLED of the first row, flat."""
     t = t.detach()
-    if t.dim() == 0:
-        return t.reshape(1).cpu()
-    return t[(0,) * (t.dim() - 1)][:SAMPLED].cpu()
+    first = t.reshape(1) if t.dim() == 0 else t[(0,) * (t.dim() - 1)][:SAMPLED]
+    # a copy: numpy must not share the weights' storage (FSDP2 frees and resizes it later)
+    return first.to("cpu", copy=True)
 
 
 def _combine(samples: Iterable[tuple[str, tuple[int, ...], torch.Tensor]]) -> str:
