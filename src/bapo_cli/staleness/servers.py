@@ -395,9 +395,12 @@ class ServerWorker:
         if self.leader:
             try:
                 self._write(model, version)
-            except OSError as exc:  # raised by the next receive: this step is complete
-                with self._lock:
-                    self._failure = ServerFault(self._write_error(exc, version))
+            except OSError as exc:
+                fault = ServerFault(self._write_error(exc, version))
+                if self.group is not None:  # the other ranks wait for this version: stop now
+                    raise fault from None
+                with self._lock:  # raised by the next receive: this step is complete
+                    self._failure = fault
                 return
         if self.leader and (self.interrupt or self.group is not None):
             try:
