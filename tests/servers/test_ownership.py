@@ -8,7 +8,7 @@ One training run A holds server 0 (`bapo train` in a subprocess, its weights und
   nothing written (before the lease, both trained, ~14% of each one's requests sampled under the
   other's weights);
 - `bapo eval eval.server=<server 0>` is refused in one line (A's pushes would change the weights
-  under it);
+  under it; its check, run in this process);
 - a run C on server 1 with the same `staleness.weights_dir` trains to its end beside A, each in
   its own `run-<id>` directory (before, C's start and clean-up deleted A's versions and A
   stopped with a false "every generation server is down");
@@ -28,8 +28,9 @@ from pathlib import Path
 import pytest
 
 from bapo_cli.config.preflight import preflight
+from bapo_cli.evaluation import served
 from bapo_cli.rollout import weights_fs
-from bapo_cli.rollout.servers import ServerPool
+from bapo_cli.rollout.servers import ServerPool, ServerTaken
 from bapo_cli.trainer import checkpoint
 from bapo_cli.trainer.train import train
 from tests.conftest import run_bapo
@@ -86,15 +87,15 @@ def test_a_server_belongs_to_one_run_at_a_time(fleet, tmp_path, _output_root) ->
         assert m, second.stderr
         assert 0 < float(m.group(1)) <= 60
         assert not _output_root.exists() or not any(_output_root.rglob("*"))
-        # an evaluation on it: its weights would change under the evaluation
-        judged = run_bapo("eval", f"eval.server={fleet.urls[0]}", "tracking=none")
-        assert judged.returncode == 2, judged.stderr[-2000:]
-        assert judged.stderr.startswith(
-            f"error: the generation server {fleet.urls[0]} is held by the training run {identity} ("
+        # an evaluation of it (bapo eval's check, in this process): its weights would change
+        with pytest.raises(ServerTaken) as info:
+            served.preflight(preflight("eval", [f"eval.server={fleet.urls[0]}"]).config)
+        assert str(info.value).startswith(
+            f"the generation server {fleet.urls[0]} is held by the training run {identity} ("
         )
-        assert judged.stderr.endswith(
+        assert str(info.value).endswith(
             "a server belongs to one training run at a time; evaluate on a server of its own "
-            "(bapo serve) or once the run has ended\n"
+            "(bapo serve) or once the run has ended"
         )
 
         # a run on the other server with the same weights_dir trains beside A, apart from it
