@@ -27,7 +27,7 @@ def main() -> int:
     from bapo_cli.config.preflight import preflight
     from bapo_cli.models import loading as models
     from bapo_cli.rollout import serve
-    from bapo_cli.rollout.servers import model_identity
+    from bapo_cli.rollout.identity import model_identity
     from bapo_cli.rollout.weights_nccl import NcclPool
 
     parser = argparse.ArgumentParser()

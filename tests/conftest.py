@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -106,3 +107,20 @@ def run_bapo(*args: str, cwd: Path | None = None, env: dict | None = None, timeo
         text=True,
         timeout=timeout,
     )
+
+
+@contextlib.contextmanager
+def tmpfs(mount: Path, size: str) -> Iterator[Path]:
+    """A real filesystem of `size` (tmpfs; needs root) at `mount`, for a full disk; the test is
+    skipped where it cannot be mounted."""
+    mount.mkdir()
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mount)], capture_output=True
+    )
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here ({done.stderr.decode().strip()})")
+    try:
+        yield mount
+    finally:
+        if subprocess.run(["umount", str(mount)]).returncode != 0:
+            subprocess.run(["umount", "--lazy", str(mount)], check=True)

@@ -26,7 +26,7 @@ from bapo_cli.evaluation.served import end_tokens
 from bapo_cli.models import loading as models
 from bapo_cli.rollout import weights_fs
 from bapo_cli.rollout.base import eos_ids
-from bapo_cli.rollout.servers import ServerPool
+from bapo_cli.rollout.servers import ServerPool, call
 from tests.conftest import run_bapo
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
@@ -41,7 +41,9 @@ REWARD = (
 @pytest.fixture(scope="module")
 def bench(fleet, tmp_path_factory) -> tuple[Path, list[str]]:
     """(dir, eval overrides): the arithmetic benchmark file and reward, and server 0 holding the
-    shipped tiny weights (a test before may have pushed others)."""
+    shipped tiny weights (a test before may have pushed others), labelled as a freshly started
+    server labels them: 'default', not a version (an evaluation needs no version; before it read
+    none, every request on a fresh server failed: HTTP 502 ... 'default', not a version)."""
     fleet.ensure_all()
     d = tmp_path_factory.mktemp("eval_server")
     rows = [
@@ -50,8 +52,10 @@ def bench(fleet, tmp_path_factory) -> tuple[Path, list[str]]:
     (d / "bench.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     (d / "reward.py").write_text(REWARD)
     model, _ = models.load_policy(fleet.cfg.model, device=torch.device("cpu"))
-    pool = ServerPool(fleet.urls[:1], weights_dir=d / "weights")
+    base = weights_fs.model_fingerprint(fleet.model_dir)  # the model these weights are
+    pool = ServerPool(fleet.urls[:1], weights_dir=d / "weights", base=base)
     pool.start(0, weights_fs.write_version(model.named_parameters(), d / "weights", 0))
+    call(fleet.urls[0], "POST", "/update_weight_version", {"new_version": "default"})
     overrides = [
         f"benchmark.path={d / 'bench.jsonl'}",
         "benchmark.name=arith30",
@@ -100,6 +104,31 @@ def test_the_end_tokens_are_the_loaded_models(fleet) -> None:
     """The served path loads no weights; its end tokens equal those of the loaded model."""
     model, tokenizer = models.load_policy(fleet.cfg.model, device=torch.device("cpu"))
     assert end_tokens(fleet.model_dir, tokenizer, False) == eos_ids(model, tokenizer)
+
+
+def test_a_server_with_the_same_shapes_but_other_weights_is_refused(fleet, bench, tmp_path):
+    """tiny_pairs has tiny's architecture, vocabulary and shapes; server 0 holds tiny's weights
+    (pushed with tiny's fingerprint): refused in one line, before a run dir (before: scored, and
+    the results labelled tiny_pairs)."""
+    d, overrides = bench
+    run_dir = tmp_path / "run"
+    res = run_bapo(
+        "eval",
+        *overrides,
+        "model=tiny_pairs",
+        f"eval.server={fleet.urls[0]}",
+        f"hydra.run.dir={run_dir}",
+    )
+    assert res.returncode == 2, res.stderr[-2000:]
+    pairs = preflight("eval", ["model=tiny_pairs"]).config
+    source = models.model_dir(pairs.model)
+    assert res.stderr == (
+        f"error: the server {fleet.urls[0]} holds other weights than model.path={source} "
+        f"(version 0 pushed by a tool; fingerprint {weights_fs.model_fingerprint(fleet.model_dir)}"
+        f", the model's {weights_fs.model_fingerprint(source)}); start a server for this model "
+        "(bapo serve with the same model overrides), or give the model the server serves\n"
+    )
+    assert not run_dir.exists()
 
 
 def test_a_server_with_another_model_is_refused_before_a_run_dir(fleet, tmp_path) -> None:

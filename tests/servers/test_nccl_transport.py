@@ -27,7 +27,8 @@ from hypothesis import strategies as st
 
 from bapo_cli.models import loading as models
 from bapo_cli.rollout import weights_fs
-from bapo_cli.rollout.servers import NoServerLeft, call, model_identity
+from bapo_cli.rollout.identity import model_identity
+from bapo_cli.rollout.servers import NoServerLeft, call
 from bapo_cli.rollout.weights_nccl import (
     FanOutClient,
     NcclPool,

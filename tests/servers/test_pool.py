@@ -21,13 +21,9 @@ import torch
 from bapo_cli.models import loading as models
 from bapo_cli.rollout import weights_fs
 from bapo_cli.rollout.base import FINISH_STOP, Request, SamplingParams
+from bapo_cli.rollout.identity import ModelIdentity, model_identity
 from bapo_cli.rollout.server_engine import request_seeds
-from bapo_cli.rollout.servers import (
-    ModelIdentity,
-    ServerError,
-    ServerPool,
-    model_identity,
-)
+from bapo_cli.rollout.servers import ServerError, ServerPool
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 
@@ -247,11 +243,20 @@ def test_a_server_with_another_model_is_refused(fleet, tmp_path) -> None:
     line = str(info.value)
     assert "\n" not in line
     assert line.startswith(f"the server {fleet.urls[0]} serves another model")
-    assert "(Qwen2ForCausalLM, vocab 260)" in line and "(LlamaForCausalLM, vocab 300)" in line
+    assert "(Qwen2ForCausalLM, vocab 260, hidden_size 128, " in line
+    assert "(LlamaForCausalLM, vocab 300, hidden_size 64, " in line
     # the same architecture with another vocabulary is another model too
     pool = ServerPool(fleet.urls[:1], expect=ModelIdentity(("Qwen2ForCausalLM",), 261))
     with pytest.raises(ServerError, match="serves another model"):
         pool.check()
+    # and so are other shapes (a push would fail inside the reload): the fields that differ
+    other = ModelIdentity(("Qwen2ForCausalLM",), 260, (("hidden_size", 96),))
+    with pytest.raises(ServerError) as info:
+        ServerPool(fleet.urls[:1], expect=other).check()
+    assert (
+        "(Qwen2ForCausalLM, vocab 260, hidden_size 128) than the run's (Qwen2ForCausalLM, "
+        "vocab 260, hidden_size 96)" in str(info.value)
+    )
     # a context window shorter than the run's
     pool = ServerPool(fleet.urls[:1], expect=model_identity(fleet.model_dir), max_model_len=512)
     with pytest.raises(ServerError, match=r"holds 256 tokens per sequence, less than .*=512"):

@@ -232,3 +232,26 @@ def test_the_plan_says_how_weights_reach_the_servers() -> None:
         f"1 vLLM server ({URL}), weights by NCCL from the trainer's GPU (group at "
         "127.0.0.1:29555); a push pauses responses mid-way (interrupt)"
     )
+
+
+def test_a_sweep_whose_jobs_share_a_server_at_once_is_refused() -> None:
+    """A server belongs to one training run at a time (rollout.lease): jobs that a launcher runs
+    at once on one server are refused before anything runs; one after another, or each on its
+    own server, they pass."""
+    srv = [*ASYNC, "staleness.weights=filesystem"]
+    parallel = ["hydra/launcher=joblib", "hydra.launcher.n_jobs=2"]
+    seeds = "trainer.seed=1,2"
+    with pytest.raises(PreflightError) as info:
+        preflight("train", [*parallel, *srv, seeds, f"rollout.servers=[{URL}]"], multirun=True)
+    assert str(info.value) == (
+        f"rollout.servers: jobs 0 and 1 of this sweep both generate on {URL}, and "
+        "hydra/launcher=joblib runs them at once (n_jobs=2): a server belongs to one training "
+        "run at a time; give each job its own servers (sweep rollout.servers with the jobs), or "
+        "run them one after another (hydra.launcher.n_jobs=1)"
+    )
+    for ok in (
+        ["hydra/launcher=joblib", "hydra.launcher.n_jobs=1", seeds, f"rollout.servers=[{URL}]"],
+        [seeds, f"rollout.servers=[{URL}]"],  # the basic launcher: one job after another
+        [*parallel, f"rollout.servers=[{URL}],[http://127.0.0.1:10]"],  # one server each
+    ):
+        assert preflight("train", [*srv, *ok], multirun=True).num_jobs >= 2

@@ -35,12 +35,47 @@ def test_a_version_round_trips_with_its_marker(tmp_path) -> None:
     assert path == tmp_path / "step_00000007"
     assert sorted(p.name for p in path.iterdir()) == ["STABLE", "model.safetensors"]
     marker = weights_fs.read_marker(path)
-    assert marker == {"version": 7, "tensors": 3, "bytes": 8 * 4 * 4 * 2 + 4 * 2}
+    fingerprint = weights_fs.fingerprint(written.items())
+    assert marker == {
+        "version": 7,
+        "tensors": 3,
+        "bytes": 8 * 4 * 4 * 2 + 4 * 2,
+        "fingerprint": fingerprint,
+    }
+    assert weights_fs.model_fingerprint(path) == fingerprint  # the files say the same
     read = dict(weights_fs.open_version(path, 7))
     assert read.keys() == written.keys()
     for name, t in written.items():
         assert read[name].dtype == t.dtype and torch.equal(read[name], t)
     assert [p.name for p in tmp_path.iterdir()] == ["step_00000007"]  # no temporary left
+
+
+def test_fingerprints_tell_weights_apart_and_read_few_bytes(tmp_path) -> None:
+    """Order does not matter; a value in the sampled part, a name, a shape or a dtype does; two
+    models of one architecture (the shipped tiny and tiny_pairs) differ; files and tensors
+    agree (bf16 and 0-dim included); no safetensors: None."""
+    base = tensors(0) | {"scale": torch.tensor(2.0)}
+    fp = weights_fs.fingerprint(base.items())
+    assert weights_fs.fingerprint(reversed(list(base.items()))) == fp
+    changed = dict(base)
+    changed["model.embed_tokens.weight"] = base["model.embed_tokens.weight"].clone()
+    changed["model.embed_tokens.weight"][0, 1] += 1e-6
+    assert weights_fs.fingerprint(changed.items()) != fp
+    renamed = {("x." + k): v for k, v in base.items()}
+    assert weights_fs.fingerprint(renamed.items()) != fp
+    recast = base | {"model.norm.weight": base["model.norm.weight"].float()}
+    assert weights_fs.fingerprint(recast.items()) != fp
+    from safetensors.torch import save_file
+
+    save_file(base, str(tmp_path / "model.safetensors"))
+    assert weights_fs.model_fingerprint(tmp_path) == fp
+    shipped = Path(weights_fs.__file__).parents[1] / "models" / "weights"
+    assert weights_fs.model_fingerprint(shipped / "tiny") != weights_fs.model_fingerprint(
+        shipped / "tiny_pairs"
+    )
+    (tmp_path / "empty").mkdir()
+    assert weights_fs.model_fingerprint(tmp_path / "empty") is None
+    assert weights_fs.model_fingerprint("no-such-org/no-such-model") is None
 
 
 def test_names_given_twice_and_tied_tensors(tmp_path) -> None:

@@ -20,6 +20,7 @@ from bapo_cli.config.preflight import preflight
 from bapo_cli.models import loading as models
 from bapo_cli.trainer import checkpoint
 from bapo_cli.trainer.train import TrainingError, train
+from tests.conftest import tmpfs
 from tests.train.conftest import FAST
 
 STATE = {"optimizer": {"state": {}, "param_groups": []}, "step": 2, "rng": None}
@@ -214,18 +215,8 @@ def test_keep_last_keeps_the_newest_complete_checkpoints(tmp_path: Path, policy)
 @pytest.fixture
 def small_disk(tmp_path: Path):
     """A real 6 MiB filesystem (tmpfs; needs root): room for one tiny-model checkpoint."""
-    mount = tmp_path / "small"
-    mount.mkdir()
-    done = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=6m", "tmpfs", str(mount)], capture_output=True
-    )
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here ({done.stderr.decode().strip()})")
-    try:
+    with tmpfs(tmp_path / "small", "6m") as mount:
         yield mount
-    finally:
-        if subprocess.run(["umount", str(mount)]).returncode != 0:
-            subprocess.run(["umount", "--lazy", str(mount)], check=True)
 
 
 def _open_files() -> list[str]:

@@ -319,6 +319,36 @@ def distinct_job_dirs(sweep_dir: str, subdirs: list[str], typed: str) -> None:
             )
 
 
+def _at_once(cfg: DictConfig) -> str | None:
+    """How the sweep's launcher runs several jobs at once (a phrase), None when one at a time."""
+    launcher = cfg.hydra.launcher
+    target = str(launcher.get("_target_", ""))
+    if target.endswith(".BasicLauncher"):
+        return None
+    if "joblib" in target.lower():
+        n_jobs = launcher.get("n_jobs")
+        return None if n_jobs == 1 else f"hydra/launcher=joblib runs them at once (n_jobs={n_jobs})"
+    return f"its launcher ({target.rsplit('.', 1)[-1]}) runs them at once"
+
+
+def distinct_job_servers(servers: list[list[str]], at_once: str | None) -> None:
+    """Jobs that run at once never share a generation server: a server belongs to one training
+    run at a time (bapo_cli.rollout.lease); the second would be refused when it starts."""
+    if at_once is None:
+        return
+    seen: dict[str, int] = {}
+    for num, urls in enumerate(servers):
+        for url in urls:
+            if url in seen:
+                raise PreflightError(
+                    f"rollout.servers: jobs {seen[url]} and {num} of this sweep both generate on "
+                    f"{url}, and {at_once}: a server belongs to one training run at a time; give "
+                    "each job its own servers (sweep rollout.servers with the jobs), or run them "
+                    "one after another (hydra.launcher.n_jobs=1)"
+                )
+            seen[url] = num
+
+
 def _sampled_job_dirs(cfg: DictConfig) -> None:
     """A sampling sweeper's trials are not known ahead: the subdir must at least name the job
     (`${hydra.job.num}`), or every trial writes into one dir."""
@@ -436,11 +466,13 @@ def preflight(config_name: str, overrides: list[str], *, multirun: bool = False)
         for o in OverridesParser.create().parse_overrides(declared + overrides)
         if o.is_sweep_override()
     }
-    first, subdirs = None, []
+    first, subdirs, servers = None, [], []
     for num, job in enumerate(jobs):
         try:
             config, cfg = _compose_checked(config_name, job)
             subdirs.append(_resolved(cfg, "hydra.sweep.subdir", num))
+            if config_name == "train":
+                servers.append([str(u).rstrip("/") for u in config.rollout.servers])
         except PreflightError as exc:
             if len(jobs) == 1:
                 raise
@@ -450,4 +482,5 @@ def preflight(config_name: str, overrides: list[str], *, multirun: bool = False)
             dirs = Dirs(_resolved(cfg, "hydra.sweep.dir"), subdirs, _record(cfg))
             typed = _typed(cfg, "hydra.sweep.subdir")
     distinct_job_dirs(dirs.output, subdirs, typed)
+    distinct_job_servers(servers, _at_once(cfg))
     return Preflight(overrides, first, len(jobs), jobs, dirs)

@@ -134,6 +134,12 @@ def check_train(cfg: Any) -> None:
             cfg.staleness.weights_dir,
             "only the filesystem transport writes weights: needs staleness.weights=filesystem",
         )
+    if cfg.staleness.probe_tolerance is not None and not servers:
+        raise ConfigError(
+            "staleness.probe_tolerance",
+            cfg.staleness.probe_tolerance,
+            "checks the weight pushes to generation servers: needs rollout.servers=[URL,...]",
+        )
     if servers:
         why = ("rollout.servers", "generate in this process (drop rollout.servers)")
         check_vllm_temperature("rollout.temperature", cfg.rollout.temperature, *why)

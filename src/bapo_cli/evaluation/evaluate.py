@@ -192,7 +192,7 @@ def evaluate(cfg: Any, run_dir: Path, console: Console | None = None) -> dict[st
     if not problems:
         raise DataError(f"benchmark {cfg.benchmark.name}: no problems to score")
     if cfg.eval.server is not None:  # a running vLLM server generates (evaluation/served.py)
-        engine, tokenizer = served.served_engine(cfg)
+        engine, tokenizer = served.served_engine(cfg, run_dir)
         engine_name = f"the server {cfg.eval.server}"
     else:
         model, tokenizer = models.load_policy(cfg.model)
@@ -227,7 +227,7 @@ def evaluate(cfg: Any, run_dir: Path, console: Console | None = None) -> dict[st
         )
     finally:
         grader.close()
-    engine.close()
+        engine.close()  # a server's evaluation releases it
     results = {cfg.benchmark.name: result.metrics}
     (run_dir / "results.json").write_text(json.dumps(results, indent=2) + "\n")
     with (run_dir / "samples.jsonl").open("w", encoding="utf-8") as f:

@@ -1,5 +1,5 @@
 """What a generation server is asked and what its answers mean, checked: the model it serves
-(`ModelIdentity`), the generate route's request (`generate_body`) and response (`served`), the
+(`model_info`), the generate route's request (`generate_body`) and response (`served`), the
 weights version of each token (`token_versions`).
 
 Every answer is checked before anything of it is used; what no healthy vLLM server sends is a
@@ -22,7 +22,6 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from bapo_cli.rollout.base import (
@@ -44,48 +43,31 @@ class Aborted(ServerError):
     """vLLM aborted the response (`finish_reason` abort): it is sent again, whole."""
 
 
-@dataclass(frozen=True)
-class ModelIdentity:
-    """What must match between the run's model and a server's: architecture and vocabulary."""
-
-    architectures: tuple[str, ...]
-    vocab_size: int
-
-    def describe(self) -> str:
-        return f"{'/'.join(self.architectures) or 'unknown architecture'}, vocab {self.vocab_size}"
-
-    @classmethod
-    def served(cls, url: str, answer: Any) -> ModelIdentity:
-        """A server's identity from its `bapo_model_info` answer ({"results": [{"architectures":
-        [names], "vocab_size": n}, ...]}, one per worker); ServerError (one line) otherwise."""
-        try:
-            info = answer["results"][0]
-            names, vocab = info["architectures"], info["vocab_size"]
-        except (KeyError, IndexError, TypeError):
-            names = vocab = None
-        well_formed = (
-            isinstance(names, list)
-            and all(isinstance(n, str) for n in names)
-            and isinstance(vocab, int)
-            and not isinstance(vocab, bool)
-            and vocab > 0
+def model_info(url: str, answer: Any) -> dict[str, Any]:
+    """A server's `bapo_model_info` (the first worker's of {"results": [{...}, ...]}), its
+    shapes checked: architecture names, a positive vocabulary size, shape fields that are
+    integers; ServerError (one line) otherwise. `rollout.identity` compares it with the run's."""
+    try:
+        info = answer["results"][0]
+        names, vocab = info["architectures"], info["vocab_size"]
+        shape = info.get("shape") or {}
+    except (KeyError, IndexError, TypeError, AttributeError):
+        info = names = vocab = shape = None
+    well_formed = (
+        isinstance(names, list)
+        and all(isinstance(n, str) for n in names)
+        and _is_int(vocab)
+        and vocab > 0
+        and isinstance(shape, dict)
+        and all(v is None or _is_int(v) for v in shape.values())
+    )
+    if not well_formed:
+        raise ServerError(
+            f"the server {url} described its model as {short(answer)}, not as "
+            '{"results": [{"architectures": [names], "vocab_size": a positive integer}]}; '
+            "start it with `bapo serve` (its worker extension answers that)"
         )
-        if not well_formed:
-            raise ServerError(
-                f"the server {url} described its model as {short(answer)}, not as "
-                '{"results": [{"architectures": [names], "vocab_size": a positive integer}]}; '
-                "start it with `bapo serve` (its worker extension answers that)"
-            )
-        return cls(tuple(names), vocab)
-
-
-def model_identity(source: Path | str, trust_remote_code: bool = False) -> ModelIdentity:
-    """The run's model identity from its config (no weights loaded)."""
-    from transformers import AutoConfig
-
-    cfg = AutoConfig.from_pretrained(str(source), trust_remote_code=trust_remote_code)
-    text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
-    return ModelIdentity(tuple(cfg.architectures or ()), int(text.vocab_size))
+    return info
 
 
 @dataclass
@@ -137,13 +119,20 @@ def first_choice(answer: Any, url: str) -> dict[str, Any]:
 
 
 def served(
-    answer: Any, max_tokens: int, url: str, vocab: int | None, newest: int | None
+    answer: Any,
+    max_tokens: int,
+    url: str,
+    vocab: int | None,
+    newest: int | None,
+    stamped: bool = True,
 ) -> ServedGeneration:
     """The server's answer to a request of `max_tokens` → tokens, their log-probs and versions,
     and why it stopped (as rollout.vllm's `_generation`: end token or stop string; this round's
     budget; else the context window). Checked first (module docstring): Aborted for a response
     vLLM aborted, ServerFault for what no healthy server sends (`vocab`: the server's vocabulary
-    size; `newest`: the newest version it may stamp, None when any may be)."""
+    size; `newest`: the newest version it may stamp, None when any may be; `stamped` False: no
+    versions read, for an evaluation, which needs none: a fresh server labels its weights
+    'default')."""
     choice = first_choice(answer, url)
     tokens = choice.get("token_ids") or []
     if not (isinstance(tokens, list) and all(_is_int(t) for t in tokens)):
@@ -172,7 +161,7 @@ def served(
             f"{url} returned log-prob {odd} for a sampled token: a log-probability is finite and "
             f"at most 0 (+{LOGPROB_SLACK:g} is let through for rounding)"
         )
-    versions = token_versions(choice.get("weight_versions"), len(tokens), url)
+    versions = token_versions(choice.get("weight_versions"), len(tokens), url) if stamped else None
     if versions and newest is not None and max(versions) > newest:
         raise ServerFault(
             f"{url} stamped tokens with weights version {max(versions)}, newer than the newest "

@@ -74,4 +74,6 @@ class ServerEngine:
         return self.last_publish["total_s"]
 
     def close(self) -> None:
-        """Nothing to stop: the servers are not this process's (bapo serve started them)."""
+        """The servers are not this process's (bapo serve started them): only its hold on them
+        is given back (the pool's claims)."""
+        self.pool.close()

@@ -3,7 +3,7 @@ token's engine log-prob and weight version kept, dead servers' requests re-sent 
 weights pushed to every server.
 
     pool = ServerPool(["http://127.0.0.1:8001", "http://127.0.0.1:8002"],
-                      expect=model_identity(model_dir), weights_dir="/shared/weights")
+                      expect=identity.model_identity(model_dir), weights_dir="/shared/weights")
     pool.start(version=0)                # each answers, serves the run's model; labelled 0
     gens = pool.generate(requests, params, seeds, eos_ids)   # Generation + per-token versions
     pool.publish(model.named_parameters(), version=7, interrupt=False)
@@ -39,29 +39,23 @@ and cycle; nothing of it is trained. Bytes and wall-clock bounds of every call:
 `rollout.server_http`.
 
 Weights (`publish`, the filesystem transport): the trainer writes the version under
-`weights_dir` (`weights_fs.write_version`, atomic), then every live server, in parallel:
+`weights_dir` (`weights_fs.write_version`, atomic), then every live server, in parallel, is
+paused (`mode=keep` freezes running requests under staleness.interrupt, `wait` lets them finish),
+reloads in place (`/collective_rpc bapo_reload`, vllm_ext.BapoWorkerExtension), resets its prefix
+cache with the running requests (their KV was computed by the old weights: they are re-prefilled;
+vLLM 0.32's pause does it by default, asked again so the guarantee does not hang on that), stamps
+the version (`/update_weight_version N`) and resumes; then the versions every server has left
+behind are deleted (the newest is kept for a server that comes back). A push is checked by the
+log-probs it changes (the probe), never by the calls returning: vLLM's NCCL path answers success
+off CUDA and moves nothing.
 
-    POST /pause?mode=keep|wait         keep: freeze running requests (staleness.interrupt);
-                                       wait: let them finish first (one version per response)
-    POST /collective_rpc bapo_reload   each worker reloads in place (vllm_ext.BapoWorkerExtension)
-    POST /reset_prefix_cache?reset_running_requests=true
-                                       cached and running KV was computed by the old weights: the
-                                       frozen requests are re-prefilled (prompt + their tokens so
-                                       far) by the new ones, as the CPU worker's interrupt does
-                                       (vLLM 0.32's pause already clears the caches this way by
-                                       default; asked again here so the guarantee does not hang
-                                       on that default)
-    POST /update_weight_version N      tokens sampled from now on are stamped N
-    POST /resume
-
-then the versions every server has left behind are deleted (the newest is kept for a server that
-comes back). A push is checked by the log-probs it changes (tests), never by the calls
-returning: vLLM's NCCL path answers success off CUDA and moves nothing.
-
-Start-up (`check`): every URL answers; its model has the run's architecture and vocabulary size
-(asked through the worker extension); its context window holds the run's; the generate route is
-on; with `wait_paused_s` (bapo eval, which never pushes), it is not left paused. Each question
-within `check_timeout_s`, each refusal one line naming the URL and what to do.
+Start-up (`check`): every URL answers; its model has the run's architecture, vocabulary and
+shapes (`rollout.identity`); its context window holds the run's; the generate route is on; with
+`wait_paused_s` (bapo eval, which never pushes), it is not left paused; with an `owner`, it is
+claimed (`rollout.claims`: one training run at a time) until `close`. Each question within
+`check_timeout_s`, each refusal one line naming the URL and what to do. A reload that another
+holder refuses, or whose answer lacks the written version's fingerprint, stops the push
+(`ServerTaken`, `PushMissed`) instead of marking the server down.
 """
 
 from __future__ import annotations
@@ -78,16 +72,18 @@ from typing import Any
 
 import torch
 
-from bapo_cli.rollout import server_auth, weights_fs
+from bapo_cli.rollout import identity, server_auth, weights_fs
 from bapo_cli.rollout.base import Request, SamplingParams
+from bapo_cli.rollout.claims import Claims, Owner, check_reload
+from bapo_cli.rollout.identity import ModelIdentity, model_identity
+from bapo_cli.rollout.lease import LEASE_S, LeaseLost, LeaseRefused
 from bapo_cli.rollout.serve import EXTENSION
 from bapo_cli.rollout.server_answers import (
     Aborted,
-    ModelIdentity,
     ServedGeneration,
     first_choice,
     generate_body,
-    model_identity,
+    model_info,
     served,
     short,
     token_versions,
@@ -138,6 +134,14 @@ class PoolClosed(ServerError):
     """`close()` was called while requests were waiting: their answers are not wanted."""
 
 
+class ServerTaken(ServerError):
+    """Another run holds a server (or held it since this run's last renewal); one line."""
+
+
+class PushMissed(ServerError):
+    """A server answered a reload without having read the version written; one line."""
+
+
 @dataclass
 class Server:
     url: str
@@ -149,6 +153,7 @@ class Server:
     next_probe: float = 0.0
     last_error: str = ""
     vocab_size: int | None = None  # what it said at its check (token ids are below it)
+    info: dict[str, Any] | None = None  # its worker extension's bapo_model_info, at the check
 
 
 class ServerPool:
@@ -158,7 +163,7 @@ class ServerPool:
         self,
         urls: Sequence[str],
         *,
-        expect: ModelIdentity | None = None,
+        expect: identity.ModelIdentity | None = None,
         max_model_len: int | None = None,
         weights_dir: Path | str | None = None,
         max_in_flight: int = 128,
@@ -168,6 +173,9 @@ class ServerPool:
         stall_s: float = STALL_S,
         health_every_s: float = HEALTH_EVERY_S,
         wait_paused_s: float | None = None,
+        owner: Owner | None = None,
+        base: str | None = None,
+        stamped: bool = True,
     ) -> None:
         if not urls:
             raise ServerError("rollout.servers is empty; give one URL or more (bapo serve)")
@@ -200,6 +208,12 @@ class ServerPool:
         self.revive_mode = "abort"
         self.closed = threading.Event()  # close(): generate() stops waiting for answers
         self.events: list[str] = []  # one line per server going down or coming back
+        # who holds the servers (None: claims nothing, and a server a run holds refuses its
+        # pushes); `base`: the fingerprint of the model pushed weights derive from, recorded
+        # by the server for `bapo eval` (weights_fs.model_fingerprint)
+        self.claims = Claims(owner, self.rpc) if owner is not None else None
+        self.base = base
+        self.stamped = stamped  # False: the tokens' weight versions are not read (bapo eval)
 
     # ------------------------------------------------------------------------------ start-up
 
@@ -211,12 +225,15 @@ class ServerPool:
         self.push(directory, version, interrupt=False)
 
     def check(self) -> None:
-        """Every server answers and serves the run's model; ServerError (one line) otherwise."""
+        """Every server answers and serves the run's model (and, with an owner, is claimed; the
+        claims are renewed from then on); ServerError (one line) otherwise."""
         for server in self.servers:
             self._check_one(server)
             if self.wait_paused_s is not None:
                 self._refuse_paused(server, self.wait_paused_s)
             server.alive = True
+        if self.claims is not None:
+            self.claims.start(lambda: [s.url for s in self.servers if s.alive])
 
     def _check_one(self, server: Server) -> None:
         url = server.url
@@ -238,7 +255,7 @@ class ServerPool:
                 "`bapo serve --port PORT` or fix rollout.servers"
             ) from None
         try:
-            answer = ask("POST", "/collective_rpc", {"method": "bapo_model_info"})
+            info = model_info(url, ask("POST", "/collective_rpc", {"method": "bapo_model_info"}))
         except HTTPStatus as exc:
             if exc.status == 401:
                 raise ServerError(server_auth.refused(url)) from None
@@ -247,14 +264,11 @@ class ServerPool:
                 "/collective_rpc); start it with `bapo serve`, or run vLLM with "
                 f"VLLM_SERVER_DEV_MODE=1 and --worker-extension-cls {EXTENSION}"
             ) from None
-        identity = ModelIdentity.served(url, answer)
-        if self.expect is not None and identity != self.expect:
-            raise ServerError(
-                f"the server {url} serves another model ({identity.describe()}) than the run's "
-                f"({self.expect.describe()}); start it for this run's model (bapo serve with the "
-                "same model overrides)"
-            )
-        server.vocab_size = identity.vocab_size
+        wrong = identity.mismatch(url, info, self.expect)
+        if wrong is not None:
+            raise ServerError(wrong)
+        server.info = info
+        server.vocab_size = int(info["vocab_size"])
         if self.max_model_len is not None:
             window = _served_window(ask)
             if window is not None and window < self.max_model_len:
@@ -271,6 +285,37 @@ class ServerPool:
                     f"the server {url} does not offer {GENERATE} (HTTP {exc.status}); start it "
                     "with `bapo serve`, or run vLLM with --enable-scale-out"
                 ) from None
+        if self.claims is not None:
+            try:
+                answered = self.claims.claim(url)
+            except LeaseRefused as exc:
+                raise ServerTaken(str(exc)) from None
+            if not answered:
+                raise ServerError(
+                    f"the server {url} cannot be claimed for this run (no answer to bapo_claim); "
+                    "restart it with this bapo-cli's `bapo serve`"
+                )
+
+    def rpc(self, url: str, method: str, args: list[str]) -> list[dict[str, Any]] | None:
+        """Every worker's answer to one extension method (`rollout.claims`' rpc), None when the
+        server does not answer it."""
+        try:
+            answer = call(url, "POST", "/collective_rpc", {"method": method, "args": args})
+        except ServerError:
+            return None
+        results = answer.get("results") if isinstance(answer, dict) else None
+        if not isinstance(results, list) or not all(isinstance(r, dict) for r in results):
+            return None
+        return results or None
+
+    def confirm(self) -> None:
+        """Renew the claims now; ServerTaken (one line) if a server was held by another run or
+        process since the last renewal: what it sampled since may be another run's."""
+        if self.claims is None:
+            return
+        lost = self.claims.renew([s.url for s in self.servers if s.alive])
+        if lost is not None:
+            raise ServerTaken(lost)
 
     def _refuse_paused(self, server: Server, wait_s: float) -> None:
         """ServerError if the server stays paused for `wait_s` (a push takes seconds): what it is
@@ -359,6 +404,7 @@ class ServerPool:
                             server.url,
                             server.vocab_size,
                             self.newest_version,
+                            self.stamped,
                         )
                     except Cancelled:
                         raise PoolClosed("the server pool was closed") from None
@@ -438,6 +484,9 @@ class ServerPool:
             try:
                 self._check_one(server)
                 self._load_revived(server)
+            except ServerTaken as exc:  # back, but another run holds it now
+                server.last_error = str(exc)
+                return False
             except ServerError:
                 return False  # still down: `last_error` keeps why it went down
             server.alive = True
@@ -504,9 +553,12 @@ class ServerPool:
         self.closed.set()
         busy = [s.url for s in self.servers if s.alive and s.in_flight > 0]
         threads = [threading.Thread(target=_abort, args=(u,), daemon=True) for u in busy]
+        if self.claims is not None:  # the servers are free for the next run at once
+            urls = [s.url for s in self.servers]
+            threads.append(threading.Thread(target=self.claims.release, args=(urls,), daemon=True))
         for thread in threads:
             thread.start()
-        for thread in threads:
+        for thread in threads:  # a server that does not answer lets its lease lapse
             thread.join(2 * CLOSE_TIMEOUT_S + 1)
 
     def _push_one(self, server: Server, directory: Path | None, version: int, mode: str) -> None:
@@ -520,10 +572,7 @@ class ServerPool:
         push_call(f"/pause?mode={mode}")
         try:
             if directory is not None:  # None: the server's own start weights are version 0
-                push_call(
-                    "/collective_rpc",
-                    {"method": "bapo_reload", "args": [str(directory), str(version)]},
-                )
+                self._reload(url, directory, version, push_call)
             reset = push_call("/reset_prefix_cache?reset_running_requests=true")
             if not (isinstance(reset, dict) and reset.get("success", False)):
                 raise HTTPStatus(500, f"{url} could not reset its prefix cache")
@@ -533,6 +582,22 @@ class ServerPool:
             with contextlib.suppress(ServerError):
                 call(url, "POST", "/resume", None, wait_s)
         server.version = version
+
+    def _reload(self, url: str, directory: Path, version: int, push_call: Any) -> None:
+        """One server reloads `version` for this pool's owner; ServerTaken if the lease table
+        refuses it or another holder came in between, PushMissed if what it read is not what
+        was written (the marker's fingerprint)."""
+        who = self.claims.reload_args() if self.claims is not None else ["", ""]
+        args = [str(directory), str(version), *who, self.base or "", str(LEASE_S)]
+        body = {"method": "bapo_reload", "args": args}
+        answer = push_call("/collective_rpc", body)
+        answers = (answer.get("results") if isinstance(answer, dict) else None) or []
+        try:
+            missed = check_reload(self.claims, url, answers, weights_fs.read_marker(directory))
+        except (LeaseRefused, LeaseLost) as exc:
+            raise ServerTaken(str(exc)) from None
+        if missed is not None:
+            raise PushMissed(missed)
 
     def probe(self, token_ids: Sequence[int]) -> dict[str, tuple[int, list[float]]]:
         """Each live server's log-probs of `token_ids[1:]` given the tokens before (a fixed probe

@@ -6,9 +6,15 @@ A server is started with this class as its worker extension (`bapo serve` passes
 vLLM: `--worker-extension-cls bapo_cli.rollout.vllm_ext.BapoWorkerExtension`, bapo-cli installed
 in the server's environment). vLLM mixes the class into its worker, so its methods run in every
 worker (each tensor-parallel rank) through `collective_rpc`; over HTTP that is the dev-mode route
-`POST /collective_rpc {"method": "bapo_reload", "args": [DIR, "7"]}` (`VLLM_SERVER_DEV_MODE=1`;
-the route passes only strings, so the version travels as text). Names start with `bapo_`: vLLM
-refuses an extension whose attributes clash with the worker's.
+`POST /collective_rpc {"method": "bapo_reload", "args": [DIR, "7", RUN, NONCE, BASE]}`
+(`VLLM_SERVER_DEV_MODE=1`; the route passes only strings, so numbers travel as text). Names start
+with `bapo_`: vLLM refuses an extension whose attributes clash with the worker's.
+
+**Who may push** (`rollout.lease`): the extension keeps the server's lease table; a run claims
+the server (`bapo_claim`), renews and releases it, and a reload is loaded only for the training
+run that holds it (or for a caller naming no run while nobody holds it). The table lives in each
+worker (every tensor-parallel rank gets the same calls in the same order); the client reads every
+rank's answer.
 
 Why reload through `model.load_weights` (vLLM's layer-wise reload) and not by copying tensors:
 it takes checkpoint names and shapes (the trainer's), fuses q/k/v and gate/up as the model's
@@ -37,6 +43,8 @@ import torch
 from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
 
 from bapo_cli.rollout import weights_fs
+from bapo_cli.rollout.identity import SHAPE_FIELDS
+from bapo_cli.rollout.lease import LEASE_S, LeaseTable
 
 RELOAD_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
 FAILED_TO_LOAD = "%s: Failed to load weights"
@@ -45,29 +53,77 @@ EXTENSION = "bapo_cli.rollout.vllm_ext.BapoWorkerExtension"  # for --worker-exte
 
 class BapoWorkerExtension:
     """Mixed into vLLM's worker (`--worker-extension-cls`): reload a version written by the
-    filesystem transport, and describe the served model for the client's start-up check."""
+    filesystem transport for the run that holds the server, and describe the served model for
+    the client's start-up check."""
 
     def bapo_model_info(self) -> dict[str, Any]:
-        """What the client compares with the run's model: architecture and vocabulary size."""
-        hf = self.model_runner.model_config.hf_config  # type: ignore[attr-defined]
+        """What the client compares with the run's model: architecture, vocabulary, shapes; for
+        `bapo eval`, whose weights it holds (the fingerprint of the files it started from, or
+        the push it took last) and the dtype it computes in (the probe's tolerance)."""
+        config = self.model_runner.model_config  # type: ignore[attr-defined]
+        hf = config.hf_config
         text = getattr(hf, "get_text_config", lambda: hf)()
+        if not hasattr(self, "_bapo_start_fingerprint"):  # a few bytes per tensor, once
+            self._bapo_start_fingerprint = weights_fs.model_fingerprint(config.model)
         return {
             "architectures": list(getattr(hf, "architectures", None) or []),
             "vocab_size": int(getattr(text, "vocab_size", 0) or 0),
+            "shape": {f: int(getattr(text, f, 0) or 0) for f in SHAPE_FIELDS},
+            "dtype": str(config.dtype).removeprefix("torch."),
+            "source": str(config.model),
+            "fingerprint": self._bapo_start_fingerprint,
+            "holds": self.bapo_table().holds,
             "extension": EXTENSION,
         }
 
-    def bapo_reload(self, directory: str, version: str) -> dict[str, Any]:
+    def bapo_claim(self, run: str, nonce: str, kind: str, lease_s: str) -> dict[str, Any]:
+        """Claim or renew this server for `run` (rollout.lease.LeaseTable.claim)."""
+        return self.bapo_table().claim(run, nonce, kind, float(lease_s))
+
+    def bapo_release(self, run: str, nonce: str) -> dict[str, Any]:
+        self.bapo_table().release(run, nonce)
+        return {"released": True}
+
+    def bapo_leases(self) -> dict[str, Any]:
+        """The live holders, claiming nothing (a look before a run starts)."""
+        return self.bapo_table().state()
+
+    def bapo_reload(
+        self,
+        directory: str,
+        version: str,
+        run: str = "",
+        nonce: str = "",
+        base: str = "",
+        lease_s: str = str(LEASE_S),
+    ) -> dict[str, Any]:
         """Load version `version` from `directory` (a complete `step_N`, marker checked) in
-        place; returns the tensors loaded and the seconds it took on this worker."""
+        place, if the lease table allows it (else its refusal, nothing loaded); returns the
+        grant, the fingerprint of the tensors read (the client compares it with the marker's),
+        the tensors loaded and the seconds it took on this worker."""
+        table = self.bapo_table()
+        grant = table.load(run or None, nonce or None, float(lease_s))
+        if not grant["granted"]:
+            return grant
         t0 = time.perf_counter()
         named = list(weights_fs.open_version(directory, int(version)))
         reload_in_place(self.model_runner, named)  # type: ignore[attr-defined]
+        table.loaded(run or None, int(version), base or None)
+        if run and nonce:  # renewed again: the load may have taken long
+            grant = table.claim(run, nonce, "train", float(lease_s))
         return {
+            **grant,
             "version": int(version),
             "tensors": len(named),
+            "fingerprint": weights_fs.fingerprint(named),
             "seconds": time.perf_counter() - t0,
         }
+
+    def bapo_table(self) -> LeaseTable:
+        """This worker's lease table (made at the first use; not meant to be called over HTTP)."""
+        if not hasattr(self, "_bapo_lease_table"):
+            self._bapo_lease_table = LeaseTable()
+        return self._bapo_lease_table
 
 
 def reload_in_place(

@@ -5,7 +5,8 @@ each server reloads it in place (`rollout.vllm_ext.BapoWorkerExtension`).
     ROOT/
       step_00000007/            one version: complete, under its final name
         model.safetensors
-        STABLE                  {"version": 7, "tensors": 24, "bytes": 1034240}
+        STABLE                  {"version": 7, "tensors": 24, "bytes": 1034240,
+                                 "fingerprint": "9f2c..."}
       .tmp-step_00000008-...    being written (never read by a server)
 
 Why a directory per version and a marker (prime-rl's `broadcast/step_N/` + `STABLE`): a server on
@@ -18,6 +19,14 @@ made by other tools (rsync of a half-written tree) is refused instead of loaded.
 Old versions are removed by the trainer once every server has loaded a newer one (`cleanup`);
 the newest is always kept, for a server that comes back and must catch up.
 
+**Fingerprints** (`fingerprint`, `model_fingerprint`): a digest of every tensor's name, dtype,
+shape and first values (the first `SAMPLED` of its first row), so two sets of weights of one
+architecture (the tiny model and tiny_pairs) differ, and computing it reads a few bytes per tensor
+(a model directory is read through safetensors' slices, never whole). The marker records the
+fingerprint of what was written; the server's reload returns the fingerprint of what it read, so a
+push that never reached the worker (a proxy answering for it, a stale copy) is caught by the
+trainer at once, whatever the probe's tolerance.
+
 This module runs on both sides (the trainer writes, the vLLM worker reads) and so imports neither
 the trainer nor vLLM.
 """
@@ -25,6 +34,7 @@ the trainer nor vLLM.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import re
@@ -34,11 +44,12 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 MARKER = "STABLE"
 WEIGHTS = "model.safetensors"
+SAMPLED = 64  # values of each tensor's first row the fingerprint reads
 _STEP = re.compile(r"^step_(\d{8,})$")
 
 
@@ -71,7 +82,8 @@ def check_writable(root: Path | str) -> Path:
 def write_version(
     named: Iterable[tuple[str, torch.Tensor]], root: Path | str, version: int
 ) -> Path:
-    """Write one version atomically; returns its final directory.
+    """Write one version atomically; returns its final directory. OSError when it cannot be
+    written (a full disk: ENOSPC), nothing left behind.
 
     Tensors are written as they come (`lora.engine_weights` merges adapters lazily), made
     contiguous on the CPU; a name given twice is written once (its first tensor), and two names
@@ -91,9 +103,17 @@ def write_version(
                 t = t.clone()  # safetensors refuses tensors sharing memory
             storages.add(t.untyped_storage().data_ptr())
             tensors[name] = t
-        save_file(tensors, str(tmp / WEIGHTS), metadata={"version": str(version)})
+        try:
+            save_file(tensors, str(tmp / WEIGHTS), metadata={"version": str(version)})
+        except SafetensorError as exc:  # its I/O errors (a full disk) are not OSError
+            raise _os_error(exc) from None
         size = sum(t.numel() * t.element_size() for t in tensors.values())
-        marker = {"version": version, "tensors": len(tensors), "bytes": size}
+        marker = {
+            "version": version,
+            "tensors": len(tensors),
+            "bytes": size,
+            "fingerprint": fingerprint(tensors.items()),
+        }
         _write_synced(tmp / WEIGHTS, None)
         _write_synced(tmp / MARKER, json.dumps(marker).encode())
         if final.exists():  # the same version again (a resumed run): move the old one aside
@@ -134,6 +154,58 @@ def _tensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
     with safe_open(str(path), framework="pt", device="cpu") as f:
         for name in f.keys():  # noqa: SIM118  (safe_open has keys(), not iteration)
             yield name, f.get_tensor(name)
+
+
+def fingerprint(named: Iterable[tuple[str, torch.Tensor]]) -> str:
+    """The digest of a set of weights (module docstring), whatever the order they come in."""
+    return _combine((name, tuple(t.shape), _sample(t)) for name, t in named)
+
+
+def model_fingerprint(source: Path | str) -> str | None:
+    """The fingerprint of a model's safetensors files (a directory, or a hub id already in the
+    local cache); None when there are none to read (another format, a hub id not downloaded)."""
+    directory = Path(source).expanduser()
+    if not directory.is_dir():
+        try:
+            from huggingface_hub import snapshot_download
+
+            directory = Path(snapshot_download(str(source), local_files_only=True))
+        except Exception:  # noqa: BLE001  (not a hub id, or not in the cache: nothing to read)
+            return None
+    files = sorted(directory.glob("*.safetensors"))
+    if not files:
+        return None
+
+    def sampled() -> Iterator[tuple[str, tuple[int, ...], torch.Tensor]]:
+        for path in files:
+            with safe_open(str(path), framework="pt", device="cpu") as f:
+                for name in f.keys():  # noqa: SIM118  (safe_open has keys(), not iteration)
+                    part = f.get_slice(name)
+                    shape = tuple(part.get_shape())
+                    if not shape:
+                        yield name, shape, f.get_tensor(name).reshape(1)
+                        continue
+                    first = part[(slice(0, 1),) * (len(shape) - 1) + (slice(0, SAMPLED),)]
+                    yield name, shape, first.reshape(-1)
+
+    return _combine(sampled())
+
+
+def _sample(t: torch.Tensor) -> torch.Tensor:
+    """The values a fingerprint reads: the first SAMPLED of the first row, flat."""
+    t = t.detach()
+    first = t.reshape(1) if t.dim() == 0 else t[(0,) * (t.dim() - 1)][:SAMPLED]
+    # a copy: numpy must not share the weights' storage (FSDP2 frees and resizes it later)
+    return first.to("cpu", copy=True)
+
+
+def _combine(samples: Iterable[tuple[str, tuple[int, ...], torch.Tensor]]) -> str:
+    digests = []
+    for name, shape, values in samples:
+        h = hashlib.sha256(f"{name}|{values.dtype}|{list(shape)}".encode())
+        h.update(values.contiguous().view(torch.uint8).numpy().tobytes())
+        digests.append(f"{name}:{h.hexdigest()}")
+    return hashlib.sha256("\n".join(sorted(digests)).encode()).hexdigest()[:16]
 
 
 def versions(root: Path | str) -> list[int]:
@@ -192,6 +264,14 @@ def _written_by_live(name: str) -> bool:
     except PermissionError:
         return True
     return True
+
+
+def _os_error(exc: SafetensorError) -> OSError:
+    """safetensors' I/O error as the OSError it wraps ("... (os error 28)": ENOSPC)."""
+    m = re.search(r"os error (\d+)", str(exc))
+    if m is None:
+        return OSError(str(exc))
+    return OSError(int(m.group(1)), os.strerror(int(m.group(1))))
 
 
 def _write_synced(path: Path, data: bytes | None) -> None:

@@ -66,6 +66,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import hashlib
 import queue
 import random
 import threading
@@ -78,49 +79,64 @@ import torch
 from bapo_cli.config.servers import check_master
 from bapo_cli.models import loading as models
 from bapo_cli.models import lora
-from bapo_cli.rollout import weights_fs
+from bapo_cli.rollout import lease, weights_fs
 from bapo_cli.rollout.base import Sample, eos_ids
+from bapo_cli.rollout.claims import Owner
 from bapo_cli.rollout.collect import Collector
+from bapo_cli.rollout.identity import model_identity
 from bapo_cli.rollout.server_engine import ServerEngine
 from bapo_cli.rollout.servers import (
     NoServerLeft,
     PoolClosed,
+    PushMissed,
     ServerError,
     ServerFault,
     ServerPool,
-    model_identity,
+    ServerTaken,
 )
 from bapo_cli.rollout.weights_nccl import NcclPool
+from bapo_cli.staleness import probe
+from bapo_cli.staleness.probe import probe_ids, trainer_logprobs
 from bapo_cli.staleness.worker import POLL_S, WorkerError, unit_seed
 
-PROBE_TEXT = "The quick brown fox jumps over the lazy dog. 12 + 30 = 42, 7 * 6 = 42."
-PROBE_MAX_TOKENS = 64
 CLOSE_WAIT_S = 10.0  # how long close() waits for the generation thread (it sees the close <= 2 s)
+RUN_FILE = "RUN"  # in a run's own weights directory: which run writes there
 
 
-class ServersDown(WorkerError):
-    """No generation server is left; the message is one line. The trainer writes a checkpoint of
-    the last step before it stops (`checkpoint_first`), so restarting the servers and resuming
-    loses nothing."""
+class ServingStopped(WorkerError):
+    """The servers cannot go on serving this run (none left, a push that did not reach one,
+    one taken by another run, weights that cannot be written); the message is one line. The
+    trainer writes a checkpoint of the last step before it stops (`checkpoint_first`), so
+    fixing the cause and resuming loses nothing."""
 
     checkpoint_first = True
 
 
-class ServerFailed(WorkerError):
+class ServersDown(ServingStopped):
+    """No generation server is left."""
+
+
+class ServerFailed(ServingStopped):
     """A server answered with what no healthy server sends (`ServerFault`: tokens not asked
     for, ids outside the vocabulary, log-probs that are no probabilities, ...): nothing of it was
-    trained; the last step is saved first, as for `ServersDown`."""
+    trained."""
 
-    checkpoint_first = True
+
+class PushFailed(ServerError):
+    """A probe after a push shows a server without this run's weights (staleness.probe)."""
 
 
 def weights_root(cfg: Any, run_dir: Path | None) -> Path:
-    """Where versions are written: staleness.weights_dir, else `<run dir>/weights`; absolute,
+    """Where this run's versions are written: `<staleness.weights_dir>/run-<id>` (a directory of
+    its own, named for the run's identity: two runs given one weights_dir never touch each
+    other's versions, and a resumed run finds its own), else `<run dir>/weights`; absolute,
     since the servers read the paths the trainer sends from their own working directories."""
-    if cfg.staleness.weights_dir is not None:
-        return Path(cfg.staleness.weights_dir).expanduser().resolve()
     if run_dir is None:
-        raise ValueError("staleness.weights_dir=null needs the run dir (<run dir>/weights)")
+        raise ValueError("the weights directory is named for the run: it needs the run dir")
+    if cfg.staleness.weights_dir is not None:
+        run = Owner.of_run(run_dir).run
+        key = hashlib.sha256(run.encode()).hexdigest()[:12]
+        return (Path(cfg.staleness.weights_dir).expanduser() / f"run-{key}").resolve()
     return (Path(run_dir) / "weights").resolve()
 
 
@@ -155,17 +171,21 @@ class FollowerPool(ServerPool):
         server.version = held
 
 
-def make_pool(cfg: Any, root: Path | None = None, *, follower: bool = False) -> ServerPool:
+def make_pool(
+    cfg: Any, root: Path | None = None, *, follower: bool = False, owner: Owner | None = None
+) -> ServerPool:
     """The pool over `rollout.servers`, expecting the run's model (its config only is read);
-    `follower`: a data-parallel rank other than 0 (`FollowerPool`)."""
-    identity = model_identity(
-        models.model_dir(cfg.model), trust_remote_code=bool(cfg.model.trust_remote_code)
-    )
+    `follower`: a data-parallel rank other than 0 (`FollowerPool`); `owner`: the run that
+    claims the servers (rank 0's), None to claim nothing (the preflight's look)."""
+    source = models.model_dir(cfg.model)
+    identity = model_identity(source, trust_remote_code=bool(cfg.model.trust_remote_code))
     common = {
         "expect": identity,
         "max_model_len": int(cfg.model.max_model_len),
         "weights_dir": root,
         "stall_s": float(cfg.rollout.server_stall_s),
+        "owner": owner,
+        "base": weights_fs.model_fingerprint(source) if owner is not None else None,
     }
     if cfg.staleness.weights == "nccl" and not follower:  # rank 0 pushes over NCCL
         host, port = check_master("staleness.nccl_master", cfg.staleness.nccl_master)
@@ -181,30 +201,26 @@ def make_pool(cfg: Any, root: Path | None = None, *, follower: bool = False) -> 
 
 def preflight(cfg: Any) -> None:
     """What the CLI asks before the run dir is claimed (no weights loaded): the weights directory
-    can be written, every server answers and serves the run's model. `ServerError` or
+    can be written, every server answers, serves the run's model and is held by no other run (a
+    look, no claim: the run claims its servers when it starts; a resumed run may find its own
+    killed process holding them, which it takes over then). `ServerError` or
     `weights_fs.WeightsDirError`, one line each; nothing for a run without servers."""
     if not cfg.rollout.servers:
         return
     if cfg.staleness.weights_dir is not None:
         weights_fs.check_writable(Path(cfg.staleness.weights_dir).expanduser())
-    make_pool(cfg).check()
-
-
-def probe_ids(tokenizer: Any, max_model_len: int) -> list[int]:
-    """The fixed probe: PROBE_TEXT's token ids (at most PROBE_MAX_TOKENS, within the context)."""
-    ids = list(tokenizer(PROBE_TEXT)["input_ids"])
-    return ids[: min(PROBE_MAX_TOKENS, max_model_len - 1)]
-
-
-@torch.no_grad()
-def trainer_logprobs(model: torch.nn.Module, ids: list[int]) -> torch.Tensor:
-    """log p(ids[t] | ids[:t]) for t >= 1 under the trainer's weights, temperature 1 (as the
-    probe asks the servers), float32 on the CPU."""
-    device = next(model.parameters()).device
-    logits = model(torch.tensor([ids], device=device)).logits[0, :-1].float()
-    logp = torch.log_softmax(logits, dim=-1)
-    target = torch.tensor(ids[1:], device=device)[:, None]
-    return logp.gather(-1, target)[:, 0].cpu()
+    pool = make_pool(cfg)
+    pool.check()
+    if cfg.trainer.resume:
+        return
+    hint = Owner("", "train").refused_hint()
+    for server in pool.servers:
+        state = pool.rpc(server.url, "bapo_leases", [])
+        holders = state[0].get("holders", []) if state else []
+        if holders:
+            first = min(holders, key=lambda h: (h.get("kind") != "train", -h.get("left_s", 0)))
+            answer = {"holder": first.get("run"), "kind": first.get("kind")}
+            raise ServerTaken(lease.refusal(server.url, answer | first, hint))
 
 
 def _servers_logprobs(samples: list[Sample]) -> None:
@@ -231,6 +247,7 @@ class ServerWorker:
         interrupt: bool,
         max_model_len: int,
         group: Any = None,
+        probe_tolerance: float | None = None,
     ) -> None:
         if pool.weights_dir is None:
             raise ValueError("a ServerWorker needs a pool with a weights directory")
@@ -247,6 +264,7 @@ class ServerWorker:
         self.interrupt = interrupt
         self.seed = seed
         self.probe = probe_ids(tokenizer, max_model_len)
+        self.probe_tolerance = probe_tolerance  # staleness.probe_tolerance (None: auto, _start)
         self.engine = ServerEngine(pool, eos_ids(model, tokenizer), interrupt=interrupt)
         self.collector = Collector(
             engine=self.engine,
@@ -261,16 +279,18 @@ class ServerWorker:
         self._push_lock = threading.Lock()  # one catch-up at a time
         self._written: tuple[Path, int] | None = None  # the newest version written
         self._want: dict[int, torch.Tensor] = {}  # the trainer's probe log-probs per version
+        self._held: torch.Tensor | None = None  # ... of the version the servers hold
         self._mine: list[int] = []  # versions this run wrote (removed at close)
-        self._failure: ServerError | None = None  # a push that found no server: raised later
+        # a push that found no server, or a write that failed: raised by the next receive
+        self._failure: ServerError | WorkerError | None = None
         self._stats: dict[str, float] = {}
         self._resent = 0
         self._requests: queue.Queue = queue.Queue()
         self._results: queue.Queue = queue.Queue()
         try:
             self._start(model, version)
-        except ServerError as exc:
-            self.pool.close()
+        except (ServerError, WorkerError) as exc:
+            self.pool.close()  # the servers it claimed are free again at once
             raise WorkerError(str(exc)) from None
         except BaseException:  # a stop signal's abandonment: the pushes still waiting end now
             self.pool.close()
@@ -292,11 +312,14 @@ class ServerWorker:
         DistContext): its servers, weights directory and sampling."""
         root = weights_root(cfg, run_dir)
         follower = group is not None and group.world_size > 1 and group.rank > 0
+        owner = None if follower else Owner.of_run(run_dir)  # rank 0 alone claims and writes
         try:
-            if not follower:  # rank 0 alone writes
+            if owner is not None:
                 weights_fs.check_writable(root)
-            pool = make_pool(cfg, root, follower=follower)
-        except (weights_fs.WeightsDirError, ServerError) as exc:
+                if cfg.staleness.weights_dir is not None:  # a shared parent: say whose it is
+                    (root / RUN_FILE).write_text(owner.run + "\n")
+            pool = make_pool(cfg, root, follower=follower, owner=owner)
+        except (weights_fs.WeightsDirError, ServerError, OSError) as exc:
             raise WorkerError(str(exc)) from None
         return cls(
             pool,
@@ -308,6 +331,7 @@ class ServerWorker:
             interrupt=bool(cfg.staleness.interrupt),
             max_model_len=int(cfg.model.max_model_len),
             group=group,
+            probe_tolerance=cfg.staleness.probe_tolerance,
         )
 
     # ------------------------------------------------------------------------ trainer side
@@ -325,8 +349,14 @@ class ServerWorker:
         if isinstance(self.pool, NcclPool):  # the canary's probe; the policy's GPU
             self.pool.probe_ids = self.probe
             self.pool.device = next(model.parameters()).device
-        directory = self._write(model, version)
+        try:
+            directory = self._write(model, version)
+        except OSError as exc:
+            raise WorkerError(self._write_error(exc, version)) from None
         self.pool.start(version, directory)
+        served = [s.info.get("dtype") for s in self.pool.servers if s.info]
+        dtypes = [str(next(model.parameters()).dtype), *[d for d in served if d]]
+        self.probe_tolerance = probe.tolerance(self.probe_tolerance, dtypes)
         self._record_probe(version)
         weights_fs.cleanup(self.root, keep_from=version)
         self._share(model, version)
@@ -382,7 +412,15 @@ class ServerWorker:
         requests in flight. Data-parallel: rank 0 writes and pushes now (the other ranks' units
         share the servers), then every rank meets in `_share`."""
         if self.leader:
-            self._write(model, version)
+            try:
+                self._write(model, version)
+            except OSError as exc:
+                fault = ServingStopped(self._write_error(exc, version))
+                if self.group is not None:  # the other ranks wait for this version: stop now
+                    raise fault from None
+                with self._lock:  # raised by the next receive: this step is complete
+                    self._failure = fault
+                return
         if self.leader and (self.interrupt or self.group is not None):
             try:
                 self._catch_up()
@@ -430,8 +468,10 @@ class ServerWorker:
         return out
 
     def close(self) -> None:
-        """Stop the generation thread (answers still coming are not waited for) and remove the
-        versions this run wrote; the servers keep running, holding the last version."""
+        """Stop the generation thread (answers still coming are not waited for), release the
+        servers and remove the versions this run wrote (and its own directory under a shared
+        staleness.weights_dir, once empty); the servers keep running, holding the last
+        version."""
         self.pool.close()
         self._requests.put(None)
         self._thread.join(timeout=CLOSE_WAIT_S)
@@ -439,6 +479,16 @@ class ServerWorker:
             mine, self._mine = self._mine, []
         with contextlib.suppress(OSError):
             weights_fs.remove(self.root, mine)
+            if not [p for p in self.root.iterdir() if p.name != RUN_FILE]:  # its own, now empty
+                (self.root / RUN_FILE).unlink(missing_ok=True)
+                self.root.rmdir()
+
+    def _write_error(self, exc: OSError, version: int) -> str:
+        return (
+            f"cannot write weights version {version} under {self.root} "
+            f"({exc.strerror or type(exc).__name__}); free space there (or give "
+            "staleness.weights_dir on another disk) and resume (trainer.resume=true)"
+        )
 
     def _error(self, exc: BaseException) -> WorkerError:
         if isinstance(exc, NoServerLeft):
@@ -448,7 +498,11 @@ class ServerWorker:
                 f"{exc}; nothing of it was trained: fix or replace that server, then resume "
                 "(trainer.resume=true)"
             )
-        if isinstance(exc, ServerError | WorkerError):
+        if isinstance(exc, ServerTaken | PushMissed | PushFailed):
+            return ServingStopped(str(exc))
+        if isinstance(exc, WorkerError):
+            return exc
+        if isinstance(exc, ServerError):
             return WorkerError(str(exc))
         return WorkerError(f"server generation failed: {type(exc).__name__}: {exc}")
 
@@ -467,6 +521,7 @@ class ServerWorker:
                     )
                 self.engine.seed_rng = random.Random(unit_seed(self.seed, unit[0].group))
                 self.collector.advance(unit)
+                self.pool.confirm()  # ServerTaken: another run held a server during the unit
                 oldest = min((v for s in unit for v in s.versions), default=required)
                 if oldest < required:  # the servers' own stamps, checked: never a quiet breach
                     held = ", ".join(f"{s.url}: {s.version}" for s in self.pool.servers)
@@ -501,23 +556,29 @@ class ServerWorker:
 
     def _record_probe(self, version: int, want: torch.Tensor | None = None) -> None:
         """Each live server's probe log-probs against the trainer's of `version`: the largest
-        difference goes to `servers/probe_abs_diff_max`. A probe that fails (a busy or dying
-        server) records nothing: generation notices a dead server on its own."""
-        if want is None:
-            with self._lock:
-                want = self._want.get(version)
+        difference goes to `servers/probe_abs_diff_max`; a server whose probe shows the push
+        failed (`staleness.probe.verdict`: above the tolerance, or still at the version before)
+        raises PushFailed, which stops the run. A probe that fails (a busy or dying server)
+        records nothing: generation notices a dead server on its own."""
+        with self._lock:
+            want = self._want.get(version) if want is None else want
+            before = self._held
         if want is None:
             return
         try:
             answers = self.pool.probe(self.probe)
         except ServerError:
             return
-        diffs = [
-            (torch.tensor(lps) - want).abs().max().item()
-            for held, lps in answers.values()
-            if held == version
-        ]
-        if diffs:
-            with self._lock:
+        limit = self.probe_tolerance if self.probe_tolerance is not None else probe.HALF_TOLERANCE
+        diffs = []
+        for url, (held, lps) in answers.items():
+            served = torch.tensor(lps)
+            wrong = probe.verdict(url, version, held, served, want, before, limit)
+            if wrong is not None:
+                raise PushFailed(wrong)
+            diffs.append((served - want).abs().max().item())
+        with self._lock:
+            self._held = want
+            if diffs:
                 worst = max(diffs + [self._stats.get("probe_abs_diff_max", 0.0)])
                 self._stats["probe_abs_diff_max"] = worst

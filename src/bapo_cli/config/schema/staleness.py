@@ -61,8 +61,16 @@ class StalenessConfig:
     )
     weights_dir: str | None = opt(
         None,
-        "filesystem: the directory versions are written to (every server must read it: a "
-        "shared filesystem across machines); null = <run dir>/weights",
+        "filesystem: where versions are written, each run under its own run-<id> subdirectory "
+        "(every server must read it: a shared filesystem across machines); null = "
+        "<run dir>/weights",
+    )
+    probe_tolerance: float | None = opt(
+        None,
+        "servers: the largest |server - trainer| log-prob (nats) of the probe text after a weight "
+        "push before the run stops (the server does not hold its weights); null = auto: 0.01 "
+        "when the trainer and every server compute in float32, 1.0 when either uses bf16/fp16 "
+        "(their kernels round differently; docs/engines.md)",
     )
 
     def check(self) -> None:
@@ -71,6 +79,8 @@ class StalenessConfig:
         _positive("ppo_epochs", self.ppo_epochs)
         regime_class(self.regime).check(self.k, self.ppo_epochs)
         _one_of("weights", self.weights, server_rules.WEIGHT_TRANSPORTS)
+        if self.probe_tolerance is not None:
+            _positive("probe_tolerance", self.probe_tolerance)
         if self.interrupt and self.regime != "async":
             raise ConfigError(
                 "interrupt",
