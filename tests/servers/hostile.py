@@ -21,6 +21,9 @@ from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
+from bapo_cli.rollout import weights_fs
+from bapo_cli.rollout.lease import LEASE_S, LeaseTable
+
 ARCH, VOCAB = "Qwen2ForCausalLM", 260  # the shipped tiny model's (the default run's)
 
 
@@ -102,9 +105,26 @@ def healthy_generate(fake: FakeServer, query: dict[str, str], body: Any) -> Any:
 
 
 def _model_info(fake: FakeServer, query: dict[str, str], body: Any) -> Any:
-    if body.get("method") == "bapo_model_info":
+    """The worker extension's methods, as `bapo serve`'s answers them: the model, the lease
+    table (rollout.lease, the extension's own), a reload that reads the marker's fingerprint."""
+    method, args = body.get("method"), body.get("args") or []
+    if method == "bapo_model_info":
         return {"results": [{"architectures": [ARCH], "vocab_size": VOCAB, "extension": "x"}]}
-    return {"results": [{"version": 0, "tensors": 1, "seconds": 0.0}]}  # bapo_reload
+    if method == "bapo_claim":
+        return {"results": [fake.leases.claim(args[0], args[1], args[2], float(args[3]))]}
+    if method == "bapo_release":
+        fake.leases.release(args[0], args[1])
+        return {"results": [{"released": True}]}
+    if method == "bapo_leases":
+        return {"results": [fake.leases.state()]}
+    # bapo_reload DIR VERSION [RUN NONCE BASE LEASE_S]
+    run, nonce = (args[2] or None, args[3] or None) if len(args) > 3 else (None, None)
+    grant = fake.leases.load(run, nonce, float(args[5]) if len(args) > 5 else LEASE_S)
+    if not grant["granted"]:
+        return {"results": [grant]}
+    marker = weights_fs.read_marker(args[0])
+    read = {"version": int(args[1]), "tensors": 1, "seconds": 0.0}
+    return {"results": [{**grant, **read, "fingerprint": marker.get("fingerprint")}]}
 
 
 def _pause(fake: FakeServer, query: dict[str, str], body: Any) -> Any:
@@ -128,6 +148,7 @@ class FakeServer:
     def __init__(self) -> None:
         self.version = "0"
         self.paused = False
+        self.leases = LeaseTable()  # what `bapo serve`'s worker extension keeps
         self.sent = 0  # bytes of Endless bodies that got out
         self.requests: list[str] = []  # paths asked, in order
         self.stopping = threading.Event()

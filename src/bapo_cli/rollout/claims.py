@@ -71,11 +71,12 @@ class Claims:
         self._thread: threading.Thread | None = None
 
     def claim(self, url: str) -> bool:
-        """Claim `url`; False when it did not answer, LeaseRefused when another run holds it."""
+        """Claim `url`; False when it did not answer (or not as the worker extension does),
+        LeaseRefused when another run holds it."""
         o = self.owner
         answers = self.rpc(url, "bapo_claim", [o.run, o.nonce, o.kind, str(LEASE_S)])
-        if not answers:
-            return False
+        if not answers or not all(isinstance(a.get("granted"), bool) for a in answers):
+            return False  # no answer, or not the worker extension's to this method
         for answer in answers:  # every tensor-parallel worker keeps its own table
             if not answer.get("granted"):
                 raise LeaseRefused(refusal(url, answer, o.refused_hint()))

@@ -1,6 +1,7 @@
 """Generation on N vLLM servers (`rollout.servers=[URL, ...]`): requests spread over them, each
 token's engine log-prob and weight version kept, dead servers' requests re-sent to the others,
-weights pushed to every server.
+weights pushed to every server. The whole story, with each fault and bound:
+docs/engines.md#async-rl-on-generation-servers.
 
     pool = ServerPool(["http://127.0.0.1:8001", "http://127.0.0.1:8002"],
                       expect=identity.model_identity(model_dir), weights_dir="/shared/weights")
@@ -8,54 +9,22 @@ weights pushed to every server.
     gens = pool.generate(requests, params, seeds, eos_ids)   # Generation + per-token versions
     pool.publish(model.named_parameters(), version=7, interrupt=False)
 
-Requests go to `POST /inference/v1/generate` (vLLM's token-in/token-out route,
-`--enable-scale-out`): prompt ids in, sampled ids out with each one's log-prob
-(`processed_logprobs`: the distribution sampled from) and the weight-version spans they were
-sampled under. So the version of a token is the server's own record, not a guess from when the
-request was sent: a response that a weight push interrupted carries both versions, each on its
-own tokens.
-
-Spreading: each request goes to the live server with the fewest requests in flight (at most
-`max_in_flight` each); vLLM batches what a server holds. One request per sample, each with its
-own seed, so the n samples of a prompt may land on different servers.
-
-Failures. A server whose connection fails (refused, reset, no complete answer within
-`request_timeout_s`), that answers 5xx, or that stalls (it holds requests and does not answer
-`GET /health` within `stall_s`: `server_http.Watch`) is marked down; every request it held is
-sent again, whole, to the others (its partial tokens were never returned, so nothing reaches the
-trainer twice: each request has exactly one result, from the one server that completed it). A
-response vLLM aborted (`finish_reason` abort: someone paused the server with `mode=abort`) is
-sent again too, at most `MAX_ABORTS` times. With no server left, `NoServerLeft`. A server that
-is down is asked `GET /health` every `revive_s` (in a thread of its own: a stalled server does
-not hold up the others' answers); once it answers, it is checked again (same model) and given
-the newest weights version before it takes requests.
-
-An answer no healthy server sends is a `ServerFault` that ends the call, one line naming the
-server and what is allowed (`_served`): more tokens than asked, ids outside the vocabulary, a
-log-prob that is not finite or above `LOGPROB_SLACK`, a version newer than the newest pushed,
-wrong shapes. Not re-sent: the fault is the server's own, would repeat (its peers were started
-the same way) and a revived server passes the start-up check again, so a re-send would hide it
-and cycle; nothing of it is trained. Bytes and wall-clock bounds of every call:
-`rollout.server_http`.
-
-Weights (`publish`, the filesystem transport): the trainer writes the version under
-`weights_dir` (`weights_fs.write_version`, atomic), then every live server, in parallel, is
-paused (`mode=keep` freezes running requests under staleness.interrupt, `wait` lets them finish),
-reloads in place (`/collective_rpc bapo_reload`, vllm_ext.BapoWorkerExtension), resets its prefix
-cache with the running requests (their KV was computed by the old weights: they are re-prefilled;
-vLLM 0.32's pause does it by default, asked again so the guarantee does not hang on that), stamps
-the version (`/update_weight_version N`) and resumes; then the versions every server has left
-behind are deleted (the newest is kept for a server that comes back). A push is checked by the
-log-probs it changes (the probe), never by the calls returning: vLLM's NCCL path answers success
-off CUDA and moves nothing.
-
-Start-up (`check`): every URL answers; its model has the run's architecture, vocabulary and
-shapes (`rollout.identity`); its context window holds the run's; the generate route is on; with
-`wait_paused_s` (bapo eval, which never pushes), it is not left paused; with an `owner`, it is
-claimed (`rollout.claims`: one training run at a time) until `close`. Each question within
-`check_timeout_s`, each refusal one line naming the URL and what to do. A reload that another
-holder refuses, or whose answer lacks the written version's fingerprint, stops the push
-(`ServerTaken`, `PushMissed`) instead of marking the server down.
+- Requests go to vLLM's token-in/token-out route (`POST /inference/v1/generate`): each token's
+  version is the server's own stamp, so a response a push interrupted carries both versions.
+  Each goes to the live server with the fewest in flight; one request per sample, own seed.
+- A server that fails (refused, reset, 5xx, no answer within `request_timeout_s`) or stalls (no
+  `GET /health` within `stall_s`) is marked down and its requests are re-sent whole: each
+  request has exactly one result. A down server is revived in a thread of its own: checked
+  again, given the newest version, then used. An aborted response is re-sent (`MAX_ABORTS`).
+- An answer no healthy server sends (`server_answers`: ids outside the vocabulary, more tokens
+  than asked, log-probs that are no probabilities, versions never pushed) is a `ServerFault`
+  that ends the call in one line: it would repeat, so it is not re-sent.
+- A push pauses every live server, reloads the version in place (`bapo_reload`, checked by the
+  fingerprint it read), resets the prefix cache with its running requests, stamps the version
+  and resumes. The probe (staleness.probe), not the calls returning, says it arrived.
+- Start-up (`check`): each server answers, serves the run's model (`rollout.identity`) in a
+  window that holds the run's, has the generate route, is not left paused (eval), and, with an
+  `owner`, is claimed for the run (`rollout.claims`) until `close`. Each refusal is one line.
 """
 
 from __future__ import annotations
