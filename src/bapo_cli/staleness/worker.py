@@ -97,7 +97,7 @@ class WorkerSpec:
     autocast: torch.dtype | None  # mixed precision: sample and score in this dtype
     params: SamplingParams
     seed: int
-    threads: int  # torch intra-op threads of the worker
+    threads: int = 1  # torch intra-op threads of the worker (AsyncRL.start: half the trainer's)
 
 
 def unit_seed(seed: int, first_group: int) -> int:
