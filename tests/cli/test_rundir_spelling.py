@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from bapo_cli.launch import launcher
 from bapo_cli.cli import app
 from bapo_cli.config.preflight import PreflightError, distinct_job_dirs
+from bapo_cli.launch import launcher
 
 SAMPLES = '{"step": 1}\n'
 TINY = ("tracking=none", "trainer.max_steps=1")
