@@ -43,7 +43,7 @@ def _finished(root: Path) -> dict[str, object]:
 def test_every_algo_trains_one_step_from_the_cli(_output_root: Path) -> None:
     result = run_bapo("train", "-m", "algo=glob(*)", *SHRUNK, "algo.resample_rounds=2", timeout=900)
     algos = hydra_runner.group_options("algo")
-    assert len(algos) == 19
+    assert len(algos) == 23
     assert result.returncode == 0, result.stderr[-3000:]
     assert f"{len(algos)} jobs, every config validated" in result.stdout
     runs = _finished(_output_root)

@@ -150,7 +150,10 @@ class Aggregation:
         n_valid, n_kept = float(valid.sum()), float(kept.sum())
         if n_kept == n_valid or n_kept == 0.0:  # nothing taken out, or no token left to weigh
             return self
-        return dataclasses.replace(self, global_tokens=self.global_tokens * n_kept / n_valid)
+        count = self.global_tokens
+        if isinstance(count, Tensor) and not count.is_floating_point():  # a count, exactly
+            count = count.double()
+        return dataclasses.replace(self, global_tokens=count * (n_kept / n_valid))
 
     def __call__(self, loss_tok: Tensor, valid: Tensor) -> Tensor:
         return aggregate(

@@ -99,7 +99,9 @@ def topr_loss(
         )
     tok = tokens(log_prob, inputs)
     alpha = taper(tok, params.ratio)
-    logp = torch.where(tok.valid, log_prob, 0.0)  # no 0 * inf on masked or non-finite tokens
+    # log pi: 0 (value and gradient) off the mask, on non-finite tokens and where pi = 0 (a
+    # token the policy already never makes: no 0 * inf, nothing left to push down)
+    logp = torch.where(tok.valid & torch.isfinite(log_prob), log_prob, 0.0)
     loss_tok = -tok.adv * alpha * logp
     tapered = tok.neg & (alpha < 1.0)
     top = float(torch.where(tok.valid, tok.r, 0.0).max()) if tok.valid.any() else 1.0

@@ -106,7 +106,9 @@ def vespo_loss(
         phi = gamma_weight(log_w.expand_as(k), k, lam).to(tok.r.dtype)  # [B, T]
         has = tok.valid.any(dim=-1, keepdim=True)
         top = float(torch.where(has, log_w, -math.inf).max()) if log_w.numel() else 0.0
-    logp = torch.where(tok.valid, log_prob, 0.0)  # no 0 * inf on masked or non-finite tokens
+    # log pi: 0 (value and gradient) off the mask, on non-finite tokens and where pi = 0 (a
+    # token the policy already never makes: no 0 * inf, nothing left to push down)
+    logp = torch.where(tok.valid & torch.isfinite(log_prob), log_prob, 0.0)
     loss_tok = -tok.adv * phi * logp
     none = torch.zeros_like(tok.valid)
     w_max = math.exp(top) if math.isfinite(top) else 1.0
