@@ -72,6 +72,11 @@ def test_every_algo_trains_one_step_from_the_cli(_output_root: Path) -> None:
     # issue 34: MinPRO GRPO's clip, prime-rl's TV thresholds as 1 -/+ 0.2, VCPO its IS cap
     assert bounds["minpro"] == bounds["prime_default"] == (0.8, 1.2)
     assert bounds["vcpo"] == (0.0, 8.0) and "actor/lr_scale" in runs["vcpo"].data.metrics
+    # issue 45: LUSPO GSPO's kind of bounds, TOPR and VESPO no bound (c_low 0), DCPO the mean of
+    # its per-token bounds (a token of probability q gets [(1 + sqrt(1 - 0.8/q))/2, ...] >= 0.5)
+    assert bounds["luspo"] == (1 - 2e-3, 1 + 2.5e-3)
+    assert bounds["topr"][0] == bounds["vespo"][0] == 0.0
+    assert 0.5 <= bounds["dcpo"][0] < 1.0 < bounds["dcpo"][1] <= 10.0
     assert all(0.0 <= run.data.metrics["actor/ess"] <= 1.0 for run in runs.values())
 
 

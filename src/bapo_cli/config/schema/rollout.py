@@ -108,7 +108,7 @@ class RolloutConfig:
                 "seq_mask_threshold",
                 t,
                 "set while rollout.seq_mask=none, so nothing is masked; choose rollout.seq_mask="
-                "geo or opsm, or drop the threshold (null)",
+                "geo, opsm, icepop or kpop, or drop the threshold (null)",
             )
         if self.seq_mask != "none" and t is None:
             raise ConfigError("seq_mask_threshold", t, f"required with seq_mask={self.seq_mask}")
