@@ -139,6 +139,28 @@ CASES = (
         sweep=("rollout.tis_mode",),
         mismatch=True,
     ),
+    Case(  # issue 45's token masks: IcePop's band on the engine's log-probs, KPop on pi_prox
+        "seq_icepop",
+        ("algo=grpo,gspo", "rollout.seq_mask=icepop", "rollout.seq_mask_threshold=1.004"),
+        sweep=("algo.name",),
+        mismatch=True,
+    ),
+    Case(
+        "seq_kpop",
+        (
+            "algo=grpo,m2po",
+            "rollout.seq_mask=kpop",
+            "rollout.seq_mask_threshold=1e-4",
+            "trainer.old_logprob=recompute",
+        )
+        + TWO_EPOCHS,
+        sweep=("algo.name",),
+    ),
+    Case(  # issue 45's advantages under other presets: DCPO's smooth one, TOPR's signed one
+        "advantages",
+        ("algo=grpo,gspo", "algo.advantage=dcpo,signed", "data.num_prompts=8"),
+        sweep=("algo.name", "algo.advantage"),
+    ),
     Case(
         "prime",
         ("algo=prime_default", "algo.ratio_against=inference,old"),
