@@ -6,6 +6,10 @@ off-policy correction, compared bit for bit with a recorded reference.
     python scripts/same_metrics.py --record        # run every case, write the reference
     python scripts/same_metrics.py --only tis,seq  # the cases whose name starts so
     python scripts/same_metrics.py --no-demo       # skip the demo (150 steps, ~2-4 minutes)
+    python scripts/same_metrics.py --write new.json  # compare, and also write what this run got
+
+`--write` saves a second run when a change is meant to move some cases (a fix): compare, read
+the differences, then keep the new file as the reference.
 
 Each case is one `bapo train` process (a Hydra multirun where it sweeps), on the shipped tiny
 models, seed 0, one CPU thread (`BAPO_THREADS=1`: the thread count otherwise follows the load,
@@ -138,6 +142,28 @@ CASES = (
         ),
         sweep=("rollout.tis_mode",),
         mismatch=True,
+    ),
+    Case(  # issue 45's token masks: IcePop's band on the engine's log-probs, KPop on pi_prox
+        "seq_icepop",
+        ("algo=grpo,gspo", "rollout.seq_mask=icepop", "rollout.seq_mask_threshold=1.004"),
+        sweep=("algo.name",),
+        mismatch=True,
+    ),
+    Case(
+        "seq_kpop",
+        (
+            "algo=grpo,m2po",
+            "rollout.seq_mask=kpop",
+            "rollout.seq_mask_threshold=1e-4",
+            "trainer.old_logprob=recompute",
+        )
+        + TWO_EPOCHS,
+        sweep=("algo.name",),
+    ),
+    Case(  # issue 45's advantages under other presets: DCPO's smooth one, TOPR's signed one
+        "advantages",
+        ("algo=grpo,gspo", "algo.advantage=dcpo,signed", "data.num_prompts=8"),
+        sweep=("algo.name", "algo.advantage"),
     ),
     Case(
         "prime",
@@ -320,6 +346,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-demo", action="store_true", help="skip the 150-step demo")
     ap.add_argument("--reference", type=Path, default=REFERENCE)
     ap.add_argument("--keep", type=Path, help="keep the runs under this directory")
+    ap.add_argument("--write", type=Path, help="after comparing, write this run's values here")
     args = ap.parse_args(argv)
     prefixes = [p for p in args.only.split(",") if p]
     cases = [
@@ -333,14 +360,16 @@ def main(argv: list[str] | None = None) -> int:
     workdir = args.keep or Path(tempfile.mkdtemp(prefix="same_metrics-"))
     print(f"{len(cases)} cases under {workdir}", flush=True)
     new = {case.name: _run_case(case, workdir) for case in cases}
-    if args.record:
+    if args.record or args.write:
         commit = subprocess.run(
             ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True
         ).stdout.strip()
         doc = {"commit": commit, "torch": torch.__version__, "cases": new}
-        args.reference.write_text(json.dumps(doc, indent=0, sort_keys=True) + "\n")
-        print(f"reference written: {args.reference} ({sum(map(len, new.values()))} runs)")
-        return 0
+        target = args.reference if args.record else args.write
+        target.write_text(json.dumps(doc, indent=0, sort_keys=True) + "\n")
+        print(f"written: {target} ({sum(map(len, new.values()))} runs)")
+        if args.record:
+            return 0
     ref_doc = json.loads(args.reference.read_text())
     ref = {name: ref_doc["cases"][name] for name in new if name in ref_doc["cases"]}
     rows = _compare(ref, new)

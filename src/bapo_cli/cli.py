@@ -9,6 +9,7 @@ run dir and calls the job (bapo_cli.launch.jobs).
 from __future__ import annotations
 
 import contextlib
+import inspect
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -42,7 +43,8 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 
-OVERRIDES_HELP = "Hydra overrides: key=value, +key=value, ~key, group=option, a=1,2,3 (with -m)."
+OVERRIDES_HELP = "Config overrides: key=value, +key=value, ~key, group=option."
+SWEEP_OVERRIDES_HELP = OVERRIDES_HELP[:-1] + "; with -m, key=1,2,3 runs one job per value."
 _err = Console(stderr=True)
 
 
@@ -81,7 +83,9 @@ def _preflight(config_name: str, overrides: list[str] | None, multirun: bool = F
     ),
 )
 def train(
-    overrides: list[str] | None = typer.Argument(None, help=OVERRIDES_HELP, show_default=False),
+    overrides: list[str] | None = typer.Argument(
+        None, help=SWEEP_OVERRIDES_HELP, show_default=False
+    ),
     multirun: bool = typer.Option(
         False, "--multirun", "-m", help="Run a Hydra sweep (one job per combination)."
     ),
@@ -157,7 +161,9 @@ def train(
     ),
 )
 def evaluate(
-    overrides: list[str] | None = typer.Argument(None, help=OVERRIDES_HELP, show_default=False),
+    overrides: list[str] | None = typer.Argument(
+        None, help=SWEEP_OVERRIDES_HELP, show_default=False
+    ),
     multirun: bool = typer.Option(False, "--multirun", "-m", help="Run a Hydra sweep."),
     allow_existing_dir: bool = typer.Option(
         False,
@@ -422,17 +428,21 @@ def report(
 @app.command()
 def ui(
     uri: str | None = typer.Option(None, help="Tracking URI (default: the train config's)."),
+    experiment: str | None = typer.Option(
+        None, help="The experiment whose runs it opens on (default: the train config's)."
+    ),
     port: int = typer.Option(5000, help="Port on 127.0.0.1."),
 ) -> None:
-    """Open the MLflow UI on the tracking store (runs `mlflow ui`; Ctrl-C, SIGTERM and SIGHUP
-    stop all of it, its output is relayed masked: bapo_cli.tracking.server.run_ui)."""
-    from bapo_cli import redact
-    from bapo_cli.tracking import server
+    """Start the MLflow UI on your tracking store and print the address of your runs.
 
-    if uri is None:
-        uri = _preflight("train", []).config.tracking.uri
-    shown = redact.text(uri)
-    _say(f"MLflow UI on http://127.0.0.1:{port} for {shown}  (Ctrl-C stops it)")
+    Ctrl-C (or closing the terminal) stops all of it."""
+    from bapo_cli import redact
+    from bapo_cli.tracking import server, store
+
+    tracking = _preflight("train", []).config.tracking
+    uri = tracking.uri if uri is None else uri
+    address = store.ui_address(uri, experiment or tracking.experiment, "127.0.0.1", port)
+    _say(f"MLflow UI for {redact.text(uri)}: {address}  (Ctrl-C stops it)")
     raise typer.Exit(server.run_ui(uri, port))
 
 
@@ -449,6 +459,20 @@ def _root(
     ),
 ) -> None:
     """Off-policy RL for LLMs with BAPO."""
+
+
+def _help_from_docstrings() -> None:
+    """Each command's help is its docstring, one line per paragraph (the console wraps it, not
+    the source's line breaks) and printed as written (`benchmark=[a,b]` is no markup)."""
+    from rich.markup import escape
+
+    for info in app.registered_commands:
+        doc = inspect.getdoc(info.callback) or ""
+        paragraphs = [" ".join(p.split()) for p in doc.split("\n\n")]
+        info.help = "\n\n".join(escape(p) for p in paragraphs if p)
+
+
+_help_from_docstrings()
 
 
 def main() -> None:

@@ -102,6 +102,10 @@ PARAMS = {
     "minpro": {"eps_low": 0.2, "eps_high": 0.25},
     "prime_default": {"delta_low": 0.15, "delta_high": 0.2, "kl_tau": 0.01},
     "vcpo": {"is_cap": 3.0, "agg": "token-mean"},
+    "topr": {"ratio": "trajectory"},
+    "dcpo": {"eps_low": 0.2, "eps_high": 0.28},
+    "vespo": {"k_pos": 2.0, "lambda_pos": 3.0},
+    "luspo": {"eps_low": 0.05, "eps_high": 0.08},
 }
 # losses whose token selection is made per loss call over that call's tokens, as their
 # references do (M2PO's second moment, Clip-Cov's and KL-Cov's covariance): split into
@@ -412,16 +416,20 @@ def test_registry_names_and_errors():
         "cispo",
         "clip_cov",
         "clip_higher",
+        "dcpo",
         "dppo_kl",
         "dppo_tv",
         "gspo",
         "kl_cov",
+        "luspo",
         "m2po",
         "minpro",
         "ppo",
         "prime_default",
         "sapo",
+        "topr",
         "vcpo",
+        "vespo",
     ]
     assert losses.REGISTRY.names() == names
     with pytest.raises(ValueError, match=r"unknown loss 'foo'; valid: " + ", ".join(names)):

@@ -210,6 +210,62 @@ def test_m2po_masks_nothing_on_policy_and_keeps_one_token_at_worst():
     assert m["active_tokens"].item() <= 1
 
 
+def test_m2po_masked_tokens_leave_the_normaliser_the_trainer_passes():
+    """Issue 45, item 2, the minimal case: log r = (0, 0, 2), A = 1, tau = 0.04. M2PO masks the
+    third token; AReaL's loss is the kept tokens' mean, -1, each with gradient -1/2. The trainer
+    passes the mini-batch's token count (here its one micro-batch: 3): until issue 45 that
+    counted the masked token, loss -2/3 and gradient -1/3 per kept token."""
+    old = torch.zeros(1, 3, dtype=torch.float64)
+    log_prob = torch.tensor([[0.0, 0.0, 2.0]], dtype=torch.float64)
+    adv, mask = torch.tensor([1.0], dtype=torch.float64), torch.ones(1, 3, dtype=torch.bool)
+    for count in (None, 3, torch.tensor(3.0, dtype=torch.float64)):
+        loss, grad, m = loss_and_grad(
+            "m2po", log_prob, old, adv, mask, m2_threshold=0.04, global_tokens=count
+        )
+        assert loss.item() == -1.0, count
+        assert grad[0].tolist() == [-0.5, -0.5, 0.0], count
+        assert m["clipfrac_high"].item() == pytest.approx(1 / 3)  # the masked token, A > 0
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_m2po_under_gradient_accumulation_is_areals_per_micro_batch_loss(kind):
+    """With several micro-batches AReaL's loss of each is its kept tokens' mean (the mask and the
+    count are the micro-batch's), weighted by the micro-batch's share of the mini-batch's tokens
+    (`loss_weight_fn`: its loss mask before M2PO, over all micro-batches). The project's calls,
+    each given the mini-batch's token count as the trainer gives it, add up to that."""
+    log_prob, old, adv, mask = rival_batch(42, kind, stale=0.4)
+    full = adv[:, None].expand_as(mask)
+    total = mask.sum()
+    want_loss, want_grad = 0.0, []
+    got_loss, got_grad = 0.0, []
+    for rows in (slice(0, 4), slice(4, 9)):
+        part = (log_prob[rows], old[rows], full[rows], mask[rows])
+
+        def areal(lp, o, a, mk):
+            loss, kept = areal_m2po(
+                lp, o, a, mk, m2_threshold=0.04, eps=None, c_clip=None, agg="token-mean"
+            )
+            assert bool((mk & ~kept).any())  # each micro-batch masks some token
+            return loss * mk.sum() / total
+
+        value, grad = ref_value_and_grad(areal, *part)
+        want_loss += value.item()
+        want_grad.append(grad)
+        loss, grad, _ = loss_and_grad(
+            "m2po",
+            *part[:2],
+            adv[rows],
+            part[3],
+            m2_threshold=0.04,
+            dual_clip=None,
+            global_tokens=total,
+        )
+        got_loss += loss.item()
+        got_grad.append(grad)
+    assert got_loss == pytest.approx(want_loss, rel=1e-12)
+    torch.testing.assert_close(torch.cat(got_grad), torch.where(mask, torch.cat(want_grad), 0.0))
+
+
 # ------------------------------------------------------------------------------------ Clip-Cov
 
 

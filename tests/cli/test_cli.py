@@ -55,6 +55,7 @@ def test_config_prints_bapo_section_with_paper_values() -> None:
         "weights": "shm",
         "weights_dir": None,
         "nccl_master": "127.0.0.1:29555",
+        "probe_tolerance": None,
     }
     assert "hydra" not in cfg
 

@@ -19,12 +19,13 @@ SHARED = (
     "actor/entropy",
     "actor/ess",
 )
-# shrunk as the test below: one step of two updates on the tiny model
+# shrunk as the test below: two steps of two updates each on the tiny model (a second step
+# after the first one's weight sync; issue 45)
 SHRUNK = (
     "staleness=2",
     "rollout.n=2",
     "rollout.max_tokens=8",
-    "trainer.max_steps=1",
+    "trainer.max_steps=2",
     "trainer.prompts_per_step=2",
     "trainer.micro_batch_size=32",
 )
@@ -40,18 +41,20 @@ def _finished(root: Path) -> dict[str, object]:
     }
 
 
-def test_every_algo_trains_one_step_from_the_cli(_output_root: Path) -> None:
+def test_every_algo_trains_two_steps_from_the_cli(_output_root: Path) -> None:
     result = run_bapo("train", "-m", "algo=glob(*)", *SHRUNK, "algo.resample_rounds=2", timeout=900)
     algos = hydra_runner.group_options("algo")
-    assert len(algos) == 19
+    assert len(algos) == 23
     assert result.returncode == 0, result.stderr[-3000:]
     assert f"{len(algos)} jobs, every config validated" in result.stdout
     runs = _finished(_output_root)
+    client = MlflowClient(tracking_uri=f"sqlite:///{_output_root}/mlflow.db")
     assert sorted(runs) == algos
     for name, run in runs.items():
         metrics = run.data.metrics
         assert all(key in metrics for key in SHARED), (name, sorted(metrics))
         assert metrics["actor/updates"] == 2.0, name  # staleness=2: two updates per batch
+        assert len(client.get_metric_history(run.info.run_id, "actor/updates")) == 2, name
         assert ("dynamic/dropped_groups" in metrics) == (name == "dapo"), name
         assert ("reward/overlong_penalty_mean" in metrics) == (name == "dapo"), name
         assert ("bapo/search_steps" in metrics) == name.startswith("bapo"), name
@@ -72,10 +75,15 @@ def test_every_algo_trains_one_step_from_the_cli(_output_root: Path) -> None:
     # issue 34: MinPRO GRPO's clip, prime-rl's TV thresholds as 1 -/+ 0.2, VCPO its IS cap
     assert bounds["minpro"] == bounds["prime_default"] == (0.8, 1.2)
     assert bounds["vcpo"] == (0.0, 8.0) and "actor/lr_scale" in runs["vcpo"].data.metrics
+    # issue 45: LUSPO GSPO's kind of bounds, TOPR and VESPO no bound (c_low 0), DCPO the mean of
+    # its per-token bounds (a token of probability q gets [(1 + sqrt(1 - 0.8/q))/2, ...] >= 0.5)
+    assert bounds["luspo"] == (1 - 2e-3, 1 + 2.5e-3)
+    assert bounds["topr"][0] == bounds["vespo"][0] == 0.0
+    assert 0.5 <= bounds["dcpo"][0] < 1.0 < bounds["dcpo"][1] <= 10.0
     assert all(0.0 <= run.data.metrics["actor/ess"] <= 1.0 for run in runs.values())
 
 
-def test_loglinear_old_logprobs_train_one_step_from_the_cli(_output_root: Path) -> None:
+def test_loglinear_old_logprobs_train_from_the_cli(_output_root: Path) -> None:
     """`trainer.old_logprob=loglinear` (issue 34), shrunk as every preset above; issue 34's presets
     (vcpo, minpro, prime_default) are jobs of the sweep above, with their bounds checked there."""
     loglinear = run_bapo(

@@ -86,6 +86,10 @@ def test_algo_presets_map_to_losses_and_advantages() -> None:
         "vcpo": ("vcpo", "grpo"),
         "minpro": ("minpro", "grpo"),
         "prime_default": ("prime_default", "grpo"),
+        "topr": ("topr", "signed"),
+        "dcpo": ("dcpo", "dcpo"),
+        "vespo": ("vespo", "grpo"),
+        "luspo": ("luspo", "grpo"),
     }
     clip_higher = preflight("train", ["algo=clip_higher"]).config.algo
     assert (clip_higher.eps_low, clip_higher.eps_high) == (0.2, 0.28)

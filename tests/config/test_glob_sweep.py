@@ -25,14 +25,14 @@ def _configs(jobs: list[list[str]]) -> list:
     return [to_validated(hydra_runner.compose("train", job)) for job in jobs]
 
 
-ALGOS = ["bapo", "bapo_recipe", "ce_gppo", "cispo", "clip_cov", "clip_higher", "dapo", "dppo_kl"]
-ALGOS += ["dppo_tv", "drgrpo", "grpo", "gspo", "kl_cov", "m2po", "minpro", "ppo"]
-ALGOS += ["prime_default", "sapo", "vcpo"]
+ALGOS = ["bapo", "bapo_recipe", "ce_gppo", "cispo", "clip_cov", "clip_higher", "dapo", "dcpo"]
+ALGOS += ["dppo_kl", "dppo_tv", "drgrpo", "grpo", "gspo", "kl_cov", "luspo", "m2po", "minpro"]
+ALGOS += ["ppo", "prime_default", "sapo", "topr", "vcpo", "vespo"]
 
 
 def test_algo_glob_is_every_algo_in_hydras_order() -> None:
     checked = _sweep("algo=glob(*)")
-    assert checked.num_jobs == 19
+    assert checked.num_jobs == 23
     assert "algo=" + ",".join(ALGOS) in checked.overrides  # what Hydra is handed
     assert _values(checked.jobs, "algo") == ALGOS
     configs = _configs(checked.jobs)
@@ -45,18 +45,22 @@ def test_algo_glob_is_every_algo_in_hydras_order() -> None:
         "clip_cov",
         "clip_higher",
         "clip_higher",
+        "dcpo",
         "dppo_kl",
         "dppo_tv",
         "ppo",
         "ppo",
         "gspo",
         "kl_cov",
+        "luspo",
         "m2po",
         "minpro",
         "ppo",
         "prime_default",
         "sapo",
+        "topr",
         "vcpo",
+        "vespo",
     ]
     assert checked.config.algo.name == "bapo"  # the first job's validated config
 
@@ -75,17 +79,18 @@ def test_algo_glob_is_every_algo_in_hydras_order() -> None:
                 "kl_cov",
                 "minpro",
                 "prime_default",
+                "topr",
             ],
         ),
         (
             "glob(*,exclude=[*_*,*s*])",
-            ["bapo", "dapo", "drgrpo", "grpo", "m2po", "minpro", "ppo", "vcpo"],
+            ["bapo", "dapo", "dcpo", "drgrpo", "grpo", "m2po", "minpro", "ppo", "topr", "vcpo"],
         ),
         ("glob([bapo,grpo])", ["bapo", "grpo"]),
         ("glob(include=c*)", ["ce_gppo", "cispo", "clip_cov", "clip_higher"]),
         (
             "glob(*r*,exclude=bapo*)",
-            ["clip_higher", "drgrpo", "grpo", "minpro", "prime_default"],
+            ["clip_higher", "drgrpo", "grpo", "minpro", "prime_default", "topr"],
         ),
     ],
 )
@@ -181,8 +186,9 @@ def test_hydras_own_glob_would_also_list_the_schemas() -> None:
     """Why the CLI hands Hydra an explicit list: Hydra expands a glob against its config loader,
     which lists the ConfigStore schemas of the group too."""
     jobs = hydra_runner.expand_sweep(["algo=glob(*)"])
-    losses = ["bapo", "ce_gppo", "cispo", "clip_cov", "clip_higher", "dppo_kl", "dppo_tv", "gspo"]
-    losses += ["kl_cov", "m2po", "minpro", "ppo", "prime_default", "sapo", "vcpo"]
+    losses = ["bapo", "ce_gppo", "cispo", "clip_cov", "clip_higher", "dcpo", "dppo_kl", "dppo_tv"]
+    losses += ["gspo", "kl_cov", "luspo", "m2po", "minpro", "ppo", "prime_default", "sapo", "topr"]
+    losses += ["vcpo", "vespo"]
     assert [job[0] for job in jobs] == [f"algo=_{loss}_schema" for loss in losses] + [
         f"algo={name}" for name in ALGOS
     ]

@@ -11,7 +11,7 @@ RULES = [
     (
         ["algo=foo"],
         "algo=foo",
-        "valid: bapo, bapo_recipe, ce_gppo, cispo, clip_cov, clip_higher, dapo, dppo_kl",
+        "valid: bapo, bapo_recipe, ce_gppo, cispo, clip_cov, clip_higher, dapo, dcpo, dppo_kl",
     ),
     (["staleness=3"], "staleness=3", "valid: 0, 1, 2, 4, 8"),
     (["model=nope"], "model=nope", "valid: "),
@@ -34,8 +34,8 @@ RULES = [
     (
         ["algo.loss=reinforce"],
         "algo.loss=reinforce",
-        "bapo, ce_gppo, cispo, clip_cov, clip_higher, dppo_kl, dppo_tv, gspo, kl_cov, m2po, "
-        "minpro, ppo, prime_default, sapo, vcpo",
+        "bapo, ce_gppo, cispo, clip_cov, clip_higher, dcpo, dppo_kl, dppo_tv, gspo, kl_cov, "
+        "luspo, m2po, minpro, ppo, prime_default, sapo, topr, vcpo, vespo",
     ),
     (["algo.advantage=gae"], "algo.advantage=gae", "drgrpo, grpo, rloo"),
     (["algo.dual_clip=0.5"], "algo.dual_clip=0.5", "> 1"),

@@ -253,6 +253,27 @@ def _trained(path: Path) -> dict:
 
 
 @pytest.mark.slow
+def test_dcpo_prompt_statistics_are_one_table_over_the_ranks(tmp_path: Path) -> None:
+    """algo.advantage=dcpo keeps each prompt's reward statistics across steps (issue 45); its
+    prompts move between ranks at each epoch's reshuffle, so every rank's statistics are
+    gathered each step: both ranks hold the same table, every prompt of both ranks in it."""
+    from bapo_cli.trainer import checkpoint
+
+    args = ("algo=grpo", "algo.advantage=dcpo", "data.num_prompts=8", "trainer.log_samples=64")
+    result = _nproc_2(tmp_path / "run", *args)
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = [json.loads(x) for x in (tmp_path / "run" / "samples.jsonl").read_text().splitlines()]
+    state = checkpoint.load_state(checkpoint.step_dir(tmp_path / "run" / "checkpoints", 2))
+    table, other = (rank["prompt_stats"] for rank in state["ranks"])
+    assert table == other
+    assert set(table) == {r["id"] for r in rows} and len(table) == 8
+    for pid, (times, mean, _) in table.items():  # each prompt once a step, 4 samples each time
+        rewards = [r["reward"] for r in rows if r["id"] == pid]
+        assert times == 2.0 and len(rewards) == 8
+        assert mean == pytest.approx(sum(rewards) / 8, abs=1e-12)
+
+
+@pytest.mark.slow
 def test_fsdp2_two_ranks_checkpoint_whole_weights_and_resume_like_an_unbroken_run(
     tmp_path: Path,
 ) -> None:

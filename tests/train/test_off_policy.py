@@ -1,8 +1,9 @@
 """`ratio_inputs` as a table: every `trainer.old_logprob` mode and the engine denominator, times
-every correction (TIS / MIS per token and per sequence, the geo and opsm sequence masks,
-decoupled PPO's behaviour weight, and their combinations), gives per token the denominator and
-the weight that trainer/off_policy.py documents. The reference below is written per token in
-plain Python from those rules, not from the module's tensor code."""
+every correction (TIS / MIS per token and per sequence, the geo and opsm sequence masks, the
+icepop and kpop token masks, decoupled PPO's behaviour weight, and their combinations), gives
+per token the denominator and the weight that trainer/off_policy.py documents. The reference
+below is written per token in plain Python from those rules, not from the module's tensor
+code."""
 
 from __future__ import annotations
 
@@ -125,6 +126,15 @@ def _seq_keep(mode: OffPolicy, weight, behav, deferred, reused):
             mean = sum(_log_ratio(i, s) for s in range(n)) / n
             keep[i, t] = abs(mean) <= math.log(mode.seq_mask_threshold)
             continue
+        if mode.seq_mask == "icepop":  # this token's pi_trainer / pi_engine within the band
+            low = mode.seq_mask_low or 1.0 / mode.seq_mask_threshold
+            keep[i, t] = low <= math.exp(_log_ratio(i, t)) <= mode.seq_mask_threshold
+            continue
+        if mode.seq_mask == "kpop":  # pi_prox against pi_behav, Bernoulli KL both ways
+            p, q = math.exp(PROX[i][t]), math.exp(behav[i, t])
+            worst = max(_bernoulli_kl(p, q), _bernoulli_kl(q, p))
+            keep[i, t] = worst <= mode.seq_mask_threshold
+            continue
         ref = PROX if mode.old_logprob == "recompute" and reused else None
         diffs = [
             0.0 if deferred else (ref[i][s] if ref else behav[i, s]) - CURRENT[i][s]
@@ -135,10 +145,16 @@ def _seq_keep(mode: OffPolicy, weight, behav, deferred, reused):
     return keep
 
 
+def _bernoulli_kl(p: float, q: float) -> float:
+    return p * math.log(p / q) + (1.0 - p) * math.log((1.0 - p) / (1.0 - q))
+
+
 TIS = dict(tis_cap=1.1)
 GEO = dict(seq_mask="geo", seq_mask_threshold=1.105)
 OPSM = dict(seq_mask="opsm", seq_mask_threshold=0.05)
 CAP = dict(behav_cap=1.02)
+ICEPOP = dict(seq_mask="icepop", seq_mask_threshold=1.2, seq_mask_low=0.7)
+KPOP = dict(seq_mask="kpop", seq_mask_threshold=1e-3, old_logprob="recompute")
 CASES = {
     "behaviour": dict(),
     "recompute": dict(old_logprob="recompute"),
@@ -160,6 +176,11 @@ CASES = {
     "behav-cap-behaviour": dict(CAP),  # no proximal policy: no behaviour weight
     "tis-opsm-behav-cap-recompute": dict(TIS, **OPSM, **CAP, old_logprob="recompute"),
     "inference-tis-geo": dict(TIS, **GEO, ratio_against="inference"),
+    "icepop": ICEPOP,
+    "icepop-symmetric": dict(ICEPOP, seq_mask_low=None),
+    "icepop-tis-loglinear": dict(ICEPOP, **TIS, old_logprob="loglinear"),
+    "kpop": KPOP,
+    "kpop-tis-behav-cap": dict(KPOP, **TIS, **CAP),
 }
 
 
@@ -168,7 +189,7 @@ CASES = {
 def test_every_mode_and_correction_gives_the_documented_ratio_and_weight(case, deferred, reused):
     mode = OffPolicy(**CASES[case])
     if deferred and mode.old_logprob == "recompute":
-        pytest.skip("scoring is never deferred under recompute (Run.score)")
+        pytest.skip("scoring is never deferred under recompute (BatchLayout.score)")
     p = _prepared(mode, deferred=deferred, reused=reused)
     inputs = ratio_inputs(p, mode, _t(LOGP).requires_grad_(), VERSION)
     old, behav, weight = _reference(mode, deferred, reused)
@@ -197,7 +218,7 @@ def test_the_table_reaches_every_kind_of_weight():
     for case, kwargs in CASES.items():
         _, _, weight = _reference(OffPolicy(**kwargs))
         seen |= {(case.split("-")[0], w == 0.0, w == 1.0) for w in weight.values()}
-    for kind in ("tis", "geo", "opsm", "behav"):
+    for kind in ("tis", "geo", "opsm", "behav", "icepop", "kpop"):
         assert (kind, True, False) in seen, kind  # some token dropped
     assert ("tis", False, False) in seen and ("behav", False, False) in seen  # some scaled
 

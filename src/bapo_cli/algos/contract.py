@@ -12,6 +12,7 @@ a loss registers."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -133,6 +134,26 @@ class Aggregation:
         checked when it aggregates, as `aggregate` does)."""
         check_agg(agg, dim)
         return cls(agg, **normalisers)
+
+    def narrowed(self, valid: Tensor, kept: Tensor) -> Aggregation:
+        """This aggregation for a loss call that takes some of its `valid` tokens out of the
+        normaliser, keeping `kept` (M2PO's mask, as AReaL counts it). Without a mini-batch
+        count the call's own kept tokens are the token-mean's count already. With one (gradient
+        accumulation), the call's kept tokens share the call's part of it: the count becomes
+        global_tokens x n_kept / n_valid, so a call's loss is its kept tokens' mean weighted by
+        its share of the mini-batch's tokens (AReaL's per micro-batch loss mask, weighted by the
+        micro-batch's tokens, `loss_weight_fn`); with one micro-batch, the kept tokens' mean.
+        The sequence counts are unchanged (seq-mean-token-mean counts each sequence's kept
+        tokens already)."""
+        if self.global_tokens is None:
+            return self
+        n_valid, n_kept = float(valid.sum()), float(kept.sum())
+        if n_kept == n_valid or n_kept == 0.0:  # nothing taken out, or no token left to weigh
+            return self
+        count = self.global_tokens
+        if isinstance(count, Tensor) and not count.is_floating_point():  # a count, exactly
+            count = count.double()
+        return dataclasses.replace(self, global_tokens=count * (n_kept / n_valid))
 
     def __call__(self, loss_tok: Tensor, valid: Tensor) -> Tensor:
         return aggregate(

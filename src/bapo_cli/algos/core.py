@@ -1,7 +1,8 @@
 """What every loss shares: the registry (`REGISTRY`, `LossEntry`, `policy_loss`), the token
 preparation (`prepare_tokens`, `tokens`), the clipped surrogate (`clipped_surrogate`,
-`surrogate_dropping`) and the metric set every loss reports (`surrogate_metrics`; `clip_metrics`
-for a loss that clips a ratio). A loss's own module keeps its formula and what it decides per
+`surrogate_dropping`; on the sequence ratio, `sequence_clipped_surrogate`: GSPO, LUSPO) and the
+metric set every loss reports (`surrogate_metrics`; `clip_metrics` for a loss that clips a
+ratio). A loss's own module keeps its formula and what it decides per
 token (which tokens carry gradient, with what weight, which count as clipped); the bookkeeping
 from there to the loss and its metrics is here, the loss's inputs and aggregation in `contract`.
 The conventions (activity masks, non-finite tokens, shapes, metrics) are in `losses`'s
@@ -333,7 +334,9 @@ def surrogate_dropping(
     tokens Clip-Cov detaches, the tokens M2PO masks.
 
     in_denominator: a dropped token still counts in the aggregation's normaliser (Clip-Cov: verl
-    multiplies its loss by 0) or it does not (M2PO: AReaL takes it out of the loss mask). The
+    multiplies its loss by 0) or it does not (M2PO: AReaL takes it out of the loss mask; with a
+    mini-batch normaliser, `Aggregation.narrowed`: the call's kept tokens take the call's share
+    of it, as AReaL weighs each micro-batch's kept-token mean by its share of the tokens). The
     metrics count a dropped token as clipped on its side (clipfrac_low for A < 0, clipfrac_high
     for A > 0), so the clip fractions say how many tokens lost their gradient either way.
     """
@@ -346,5 +349,34 @@ def surrogate_dropping(
         neg=adv < 0,
         valid=tok.valid if in_denominator else tok.valid & ~drop,
     )
+    if not in_denominator:  # the dropped tokens leave the call's share of the normaliser too
+        aggregation = aggregation.narrowed(tok.valid, kept.valid)
     loss, active = _clip(kept, bounds, dual_clip, aggregation)
     return loss, clip_metrics(tok, tok.r, active, bounds, dropped=drop)
+
+
+def sequence_clipped_surrogate(
+    tok: Tokens, bounds: tuple[float, float], dual_clip: float | None, aggregation: Aggregation
+) -> tuple[Tensor, dict[str, Any]]:
+    """The clipped surrogate on the sequence ratio s_i = exp(mean_t log r_{i,t}) over the
+    sequence's valid tokens (GSPO; LUSPO with another aggregation), [B, T] tokens.
+
+    Written in GSPO's GSPO-token form, s_{i,t} = sg(s_i) * pi(y_t) / sg(pi(y_t)): every token has
+    the value s_i and the gradient s_i grad log pi(y_t), so summed over a sequence's tokens the
+    gradient is |y_i| A_i grad s_i and averaged over them A_i grad s_i. A whole sequence is
+    clipped or not: a positive one carries gradient iff s_i < c_high, a negative one iff
+    c_low < s_i (< dual_clip, applied to s_i)."""
+    with torch.no_grad():
+        n_seq = tok.valid.sum(dim=-1).clamp(min=1).to(tok.r.dtype)
+        seq_ratio = torch.exp(tok.log_ratio.sum(dim=-1) / n_seq)  # s_i, [B]
+        s = torch.where(tok.valid, seq_ratio[:, None], 1.0)  # s_i on each of its tokens
+    lo, hi = rounded(bounds[0], s), rounded(bounds[1], s)
+    upper_neg = None if dual_clip is None else rounded(dual_clip, s)
+    active_neg = tok.neg & (s > lo)
+    if upper_neg is not None:
+        active_neg = active_neg & (s < upper_neg)
+    active = (tok.pos & (s < hi)) | active_neg
+    s_token = s * (tok.ratio / tok.r)  # value s_i, gradient s_i * grad log pi(y_t)
+    s_clipped = torch.where(tok.pos, s.clamp(max=hi), s.clamp(min=lo, max=upper_neg))
+    loss_tok = -tok.adv * torch.where(active, s_token, s_clipped)
+    return aggregation(loss_tok, tok.valid), clip_metrics(tok, s, active, bounds)

@@ -62,7 +62,7 @@ Where the code is: this module is the losses' entry point (import `losses.REGIST
 between the trainer and a loss, `core` the registry and the shared pieces; each method (or
 family) has its own module named for it: `ppo` (ppo, clip_higher), `bapo`, `gspo`, `cispo`,
 `sapo`, `dppo` (dppo_tv, dppo_kl), `m2po`, `cov` (clip_cov, kl_cov), `ce_gppo`, `vcpo`, `minpro`,
-`prime` (prime_default). Adding a loss: docs/architecture.md.
+`prime` (prime_default), `topr`, `dcpo`, `vespo`, `luspo`. Adding a loss: docs/architecture.md.
 """
 
 from __future__ import annotations

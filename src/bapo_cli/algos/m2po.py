@@ -15,7 +15,11 @@ print it, sum_t M_t r_t A_t) has no ratio clip; `eps_low` / `eps_high` add one (
 `eps_clip` to the same PPO loss; its M2PO example sets eps_clip 0.0, a zero-width clip of
 pi_theta / pi_prox, which is 1 at the example's one update per batch: no clip). Masked tokens
 leave the loss and its token count, as AReaL's code takes them out of the loss mask (its docs'
-formula divides by all tokens instead).
+formula divides by all tokens instead). Under gradient accumulation AReaL's loss of a
+micro-batch is its kept tokens' mean, weighted by the micro-batch's share of the mini-batch's
+tokens (`loss_weight_fn`: the loss mask before M2PO): `Aggregation.narrowed` gives the
+trainer's mini-batch count that form (until issue 45 the kept tokens were divided by every
+token of the mini-batch, masked ones included, and each step shrank by n_kept / n).
 Which two policies m2 compares, as AReaL: its decoupled loss (`use_decoupled_loss`, the M2PO
 example's setting) takes m2 = (log pi_behav - log pi_prox)^2, the behaviour policy against the
 proximal one (the weights at the start of the training step). Under
@@ -132,9 +136,8 @@ def m2po_loss(
     ratio-clipped ones (A < 0 / A > 0): the tokens that lost their gradient. Without a ratio clip
     c_low reports 0 and c_high the largest kept ratio (nothing above it was clipped).
 
-    With gradient accumulation the trainer passes the mini-batch's token count (global_tokens),
-    which still counts the masked tokens; within one call they leave the normaliser, as in
-    AReaL (whose normaliser is its micro-batch's loss mask)."""
+    Masked tokens leave the normaliser: the call's kept tokens take its share of the
+    mini-batch's token count (`Aggregation.narrowed`; module docstring)."""
     bounds = params.bounds()
     tok = tokens(log_prob, inputs)
     drop = m2_drop(tok, inputs, float(params.m2_threshold))

@@ -22,7 +22,7 @@ Why each rule:
 - vLLM takes temperatures 0-2 only (`SamplingParams` refuses more; a server answers each such
   request with HTTP 400): a run on servers or `rollout=vllm`, or an eval on a server or vLLM,
   would fail at its first request, after the engine or the servers started;
-- `rollout.tis_cap` and `rollout.seq_mask=geo` weigh the trainer's log-probs against the
+- `rollout.tis_cap` and `rollout.seq_mask=geo|icepop` weigh the trainer's log-probs against the
   engine's *under the same weights*; with servers the behaviour log-probs are the servers' own
   (the trainer never holds the weights that sampled an old token), so both would be weights of
   exactly 1: refused rather than silently doing nothing.
@@ -156,13 +156,13 @@ def check_train(cfg: Any) -> None:
             "be 1: use trainer.old_logprob=recompute with algo.behav_weight_cap (decoupled PPO), "
             "or drop rollout.tis_cap",
         )
-    if servers and cfg.rollout.seq_mask == "geo":
+    if servers and cfg.rollout.seq_mask in ("geo", "icepop"):
         raise ConfigError(
             "rollout.seq_mask",
-            "geo",
+            cfg.rollout.seq_mask,
             "compares the trainer's and the engine's log-probs under the same weights; with "
-            "rollout.servers the behaviour log-probs are the servers' own: use seq_mask=opsm or "
-            "none",
+            "rollout.servers the behaviour log-probs are the servers' own: use seq_mask=opsm, "
+            "kpop or none",
         )
 
 

@@ -59,9 +59,8 @@ def _keep_private() -> None:
 
 
 def _share_cores() -> None:
-    """Parallel jobs of a sweep (joblib's n_jobs) split the cores instead of each using all:
-    on 2 cores, 2 jobs × 2 threads ran ~7x slower than 2 jobs × 1 thread (measured here).
-    An explicit OMP_NUM_THREADS wins."""
+    """Parallel jobs of a sweep (joblib's n_jobs) split the cores instead of each using all,
+    which oversubscribes them (docs/sweeps.md). An explicit OMP_NUM_THREADS wins."""
     import os
 
     import torch

@@ -11,9 +11,12 @@ frozen `RatioInputs`. Read top to bottom it answers, per token:
    whose hooks say `ratio_against="inference"`, prime-rl's default).
 2. The weight its advantage carries, multiplied in this order: TIS / MIS (`rollout.tis_cap`,
    the trainer's over the engine's log-probs, per token or per sequence, truncated or masked),
-   the off-policy sequence mask (`rollout.seq_mask`, `algos.correction`: 0 or 1), decoupled
-   PPO's behaviour weight pi_prox / pi_behav (`algo.behav_weight_cap`, under a proximal policy).
+   the off-policy sequence or token mask (`rollout.seq_mask`, `algos.correction`: 0 or 1; geo,
+   opsm, IcePop's band, AReaL's KPop), decoupled PPO's behaviour weight pi_prox / pi_behav
+   (`algo.behav_weight_cap`, under a proximal policy).
 3. Which tokens count: the collated mask (the normaliser is the update's, `trainer/update.py`).
+   A masked token keeps its place in the normaliser at weight 0 (docs/algorithms.md); a loss
+   that takes tokens out of it (M2PO) does so itself (`Aggregation.narrowed`).
 
 The MicroBatch is never changed: what is measured about it (a deferred behaviour forward, the
 proximal forward, opsm's forward with the current weights, the engine's log-probs as tensors)
@@ -35,6 +38,7 @@ from bapo_cli.rollout.logprobs import accumulate_dtype
 from bapo_cli.rollout.scoring import MicroBatch
 
 Tensor = torch.Tensor
+ENGINE_MASKS = ("geo", "icepop")  # the rollout.seq_mask kinds that read the engine's log-probs
 
 __all__ = [
     "EngineLogProbs",
@@ -55,8 +59,9 @@ class OffPolicy:
     tis_cap: float | None = None  # rollout.tis_cap (None: no TIS / MIS)
     tis_level: str = "token"  # rollout.tis_level: token | sequence
     tis_mode: str = "truncate"  # rollout.tis_mode: truncate | mask | mask_two_sided
-    seq_mask: str = "none"  # rollout.seq_mask: none | geo | opsm
+    seq_mask: str = "none"  # rollout.seq_mask: none | geo | opsm | icepop | kpop
     seq_mask_threshold: float | None = None
+    seq_mask_low: float | None = None  # icepop's lower bound (None: 1 / threshold)
     behav_cap: float | None = None  # algo.behav_weight_cap (under a proximal policy)
     ratio_against: str = "old"  # the loss's hook: old | inference (the engine's log-probs)
 
@@ -72,6 +77,7 @@ class OffPolicy:
             tis_mode=rollout.tis_mode,
             seq_mask=rollout.seq_mask,
             seq_mask_threshold=rollout.seq_mask_threshold,
+            seq_mask_low=rollout.seq_mask_low,
             behav_cap=getattr(cfg.algo, "behav_weight_cap", None),
             ratio_against=hooks.ratio_against,
         )
@@ -79,7 +85,7 @@ class OffPolicy:
     @property
     def reads_engine(self) -> bool:
         """Whether some correction reads the engine's own log-probs."""
-        return self.tis_cap is not None or self.seq_mask == "geo" or self.inference
+        return self.tis_cap is not None or self.seq_mask in ENGINE_MASKS or self.inference
 
     @property
     def inference(self) -> bool:
@@ -180,9 +186,15 @@ def _rollout_corrections(
     if mode.tis_cap is not None:  # engine/trainer mismatch: per-token weights
         weights = _tis(p.engine.log_ratio, mask, mode.tis_cap, mode.tis_level, mode.tis_mode)
         adv = adv[:, None] * weights
-    if mode.seq_mask != "none":  # off-policy sequence masking: rejected sequences get 0
+    if mode.seq_mask != "none":  # off-policy masking: rejected sequences or tokens get 0
         tokens = correction.sequence_keep(
-            mode.seq_mask, mode.seq_mask_threshold, adv, mask, _seq_log_ratio(p, mode)
+            mode.seq_mask,
+            mode.seq_mask_threshold,
+            adv,
+            mask,
+            _seq_log_ratio(p, mode),
+            low=mode.seq_mask_low,
+            log_q=p.behaviour if mode.seq_mask == "kpop" else None,
         )
         adv, keep = correction.apply_keep(adv, tokens, mask)
         kept = tokens if tokens.dim() == 2 else tokens[:, None].expand(mask.shape)
@@ -192,13 +204,22 @@ def _rollout_corrections(
 
 
 def _seq_log_ratio(p: Prepared, mode: OffPolicy) -> Tensor:
-    """The per-token log-ratio the sequence mask reads: geo, the trainer's over the engine's
-    log-probs (as TIS); opsm, pi_old (the behaviour policy, or once a previous update of this
-    step recomputed it, the proximal one) over this update's weights, 0 when scoring is
-    deferred to this update (pi_old is these weights)."""
+    """The per-token log-ratio the mask reads: geo and icepop, the trainer's over the engine's
+    log-probs (as TIS; 0 for a token without an engine log-prob); kpop, the proximal policy's
+    over the behaviour one (trainer.old_logprob=recompute: measured before the update); opsm,
+    pi_old (the behaviour policy, or once a previous update of this step recomputed it, the
+    proximal one) over this update's weights, 0 when scoring is deferred to this update (pi_old
+    is these weights)."""
     mask = p.mb.mask
-    if mode.seq_mask == "geo":
+    if mode.seq_mask in ENGINE_MASKS:
         return _tis(p.engine.log_ratio, mask, math.inf, "token", "truncate").log()
+    if mode.seq_mask == "kpop":
+        if p.proximal is None or p.behaviour is None:
+            raise ValueError(
+                "rollout.seq_mask=kpop needs the proximal and behaviour log-probs before the "
+                "update (trainer.old_logprob=recompute)"
+            )
+        return p.proximal - p.behaviour
     if p.deferred:
         return torch.zeros(mask.shape, device=mask.device)
     old = p.proximal if mode.old_logprob == "recompute" and p.reused else p.behaviour

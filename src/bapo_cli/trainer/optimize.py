@@ -12,20 +12,22 @@ import torch
 
 from bapo_cli.algos import advantages as adv_registry
 from bapo_cli.algos.shaping import overlong_penalty
-from bapo_cli.config.schema import TrainConfig
 from bapo_cli.rollout.base import Sample
 from bapo_cli.rollout.scoring import MicroBatch, token_logprobs
 from bapo_cli.trainer.off_policy import EngineLogProbs, OffPolicy, Prepared, masked_sequences
 from bapo_cli.trainer.run import Run, TrainingError, TrainState
 from bapo_cli.trainer.update import Learner, optimizer_update
 
-__all__ = ["account_update", "advantages", "optimize"]
+__all__ = ["account_update", "advantages", "optimize", "prompt_key"]
 
 
-def advantages(cfg: TrainConfig, batch: list[Sample]) -> dict[str, Any]:
+def advantages(run: Run, batch: list[Sample]) -> dict[str, Any]:
     """Each sample's advantage (algo.advantage over its prompt group, of the reward plus DAPO's
     overlong penalty under algo.overlong_buffer > 0); the estimator's stats (with the mean
-    penalty as `overlong_penalty_mean` when shaping is on)."""
+    penalty as `overlong_penalty_mean` when shaping is on). A cumulative estimator (DCPO's) reads
+    each prompt's statistics of earlier steps from `run.prompt_stats` and updates them (every
+    rank's prompts, gathered, so every rank holds the same table)."""
+    cfg = run.cfg
     algo = cfg.algo
     penalties = [
         overlong_penalty(
@@ -36,12 +38,28 @@ def advantages(cfg: TrainConfig, batch: list[Sample]) -> dict[str, Any]:
     shaped = [s.reward + p for s, p in zip(batch, penalties, strict=True)]
     rewards = torch.tensor(shaped, dtype=torch.float64)
     groups = torch.tensor([s.group for s in batch])
-    adv, adv_stats = adv_registry.REGISTRY.get(algo.advantage)(rewards, groups)
+    estimator = adv_registry.REGISTRY.get(algo.advantage)
+    if estimator.cumulative:
+        keys = [prompt_key(s) for s in batch]
+        unseen = [0.0, 0.0, 0.0]
+        prior = torch.tensor([run.prompt_stats.get(k, unseen) for k in keys], dtype=torch.float64)
+        adv, adv_stats = estimator(rewards, groups, prior=prior)
+        after = estimator.history(rewards, groups, prior=prior).tolist()
+        for rank in run.ctx.gather(list(zip(keys, after, strict=True))):
+            run.prompt_stats.update(rank)
+    else:
+        adv, adv_stats = estimator(rewards, groups)
     for s, a in zip(batch, adv.tolist(), strict=True):
         s.advantage = a
     if algo.overlong_buffer > 0:
         adv_stats["overlong_penalty_mean"] = sum(penalties) / max(len(penalties), 1)
     return adv_stats
+
+
+def prompt_key(sample: Sample) -> str:
+    """The prompt a sample answers, across steps: its problem's id (every task and data row
+    has one)."""
+    return str(getattr(sample.problem, "id", sample.problem))
 
 
 def optimize(run: Run, batch: list[Sample]) -> tuple[list[dict[str, float]], int, dict[str, float]]:
@@ -104,7 +122,7 @@ def _prepare(
 ) -> Prepared:
     """What micro-batch `mb` needs measured before this use (`last`: its previous use in the
     step, whose behaviour log-probs and proximal forward it keeps). The first mini-batch of a
-    step may have its scoring deferred to its first update (`Run.score`)."""
+    step may have its scoring deferred to its first update (`BatchLayout.score`)."""
     deferred = first and mb.unscored
     current = None
     if mode.seq_mask == "opsm" and not deferred:  # pi_old against the weights of this update

@@ -81,16 +81,23 @@ class Run:
     rest_s: float | None = None  # the previous step's time from its first update to its end
     updates: list[dict[str, float]] = field(default_factory=list)  # per optimizer update
     batch: list[Sample] = field(default_factory=list)  # the samples of the last step
+    # a cumulative advantage estimator's statistics per prompt id (algo.advantage=dcpo: steps
+    # seen, mean, std of its rewards), the same on every rank; in rank_state, so a step
+    # abandoned before its updates saves the table as it was before that step
+    prompt_stats: dict[str, list[float]] = field(default_factory=dict)
 
     def layout(self, samples: list[Sample], *, updates: bool = False) -> list[list[MicroBatch]]:
         """Mini-batches (one per optimizer update) of collated micro-batches (`BatchLayout`)."""
         return self.batches.layout(samples, updates=updates)
 
     def rank_state(self) -> dict[str, Any]:
-        """What differs between ranks: sampling RNG, data position, the regime's buffers."""
+        """What differs between ranks: sampling RNG, data position, the regime's buffers (and the
+        prompt statistics of a cumulative advantage, the same on every rank: kept with the data
+        position they belong to)."""
         return {
             "regime": self.regime.state_dict(),
             "prompts": self.prompts.state_dict(),
             "next_group": self.collector.next_group,
             "rng": checkpoint.rng_state(),
+            "prompt_stats": self.prompt_stats,
         }

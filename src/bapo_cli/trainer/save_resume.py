@@ -41,6 +41,7 @@ def resume(run: Run, resume_from: Path, saved: dict[str, Any]) -> None:
     run.regime.load_state_dict(mine["regime"])
     run.prompts.load_state_dict(mine["prompts"])
     run.collector.next_group = mine["next_group"]
+    run.prompt_stats = mine.get("prompt_stats", {})  # absent in checkpoints from before issue 45
     run.state = TrainState(**saved["state"])
     run.saved_step = run.state.step
     run.run_id = saved.get("run_id")

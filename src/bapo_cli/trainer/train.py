@@ -225,7 +225,7 @@ def _rollout(
             batch = run.regime.next_batch()
         rollout_s = time.perf_counter() - t0
         new_tokens = run.collector.generated_tokens - tokens_before
-        adv_stats = advantages(run.cfg, batch)
+        adv_stats = advantages(run, batch)
         stop.phase = IDLE  # the point of no return: the updates change the weights
     except StepAbandoned as err:
         stop.phase = IDLE

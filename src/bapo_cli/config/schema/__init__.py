@@ -66,7 +66,6 @@ from bapo_cli.config.schema.rollout import TIS_LEVELS as TIS_LEVELS
 from bapo_cli.config.schema.rollout import TIS_MODES as TIS_MODES
 from bapo_cli.config.schema.rollout import RolloutConfig as RolloutConfig
 from bapo_cli.config.schema.staleness import StalenessConfig as StalenessConfig
-from bapo_cli.config.schema.top import GROUP_ADVANTAGES as GROUP_ADVANTAGES
 from bapo_cli.config.schema.top import EvalRunConfig, TrainConfig
 from bapo_cli.config.schema.tracking import EXTRA_TRACKERS as EXTRA_TRACKERS
 from bapo_cli.config.schema.tracking import TRACKING_BACKENDS as TRACKING_BACKENDS

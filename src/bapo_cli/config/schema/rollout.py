@@ -12,7 +12,8 @@ from bapo_cli.config.schema.fields import _one_of, _positive, opt
 ENGINES = ("auto", "hf", "vllm")
 TIS_LEVELS = ("token", "sequence")
 TIS_MODES = ("truncate", "mask", "mask_two_sided")
-SEQ_MASKS = ("none", "geo", "opsm")  # = algos.correction.SEQ_MASKS (no torch import here)
+# = algos.correction.SEQ_MASKS (no torch import here)
+SEQ_MASKS = ("none", "geo", "opsm", "icepop", "kpop")
 
 
 @dataclass
@@ -65,15 +66,25 @@ class RolloutConfig:
     )
     seq_mask: str = opt(
         "none",
-        "off-policy sequence masking (algos/correction.py): geo = drop a sequence whose "
-        "geometric-mean pi_trainer / pi_engine is outside [1/t, t] (verl's geometric mask); "
-        "opsm = drop a negative-advantage sequence whose mean log(pi_old / pi_theta) > t "
-        "(DeepSeek-V3.2); t = rollout.seq_mask_threshold",
+        "off-policy sequence and token masking (algos/correction.py): geo = drop a sequence "
+        "whose geometric-mean pi_trainer / pi_engine is outside [1/t, t] (verl's geometric "
+        "mask); opsm = drop a negative-advantage sequence whose mean log(pi_old / pi_theta) > t "
+        "(DeepSeek-V3.2); icepop = drop a token whose pi_trainer / pi_engine is outside "
+        "[rollout.seq_mask_low, t] (IcePop: [0.5, 5]); kpop = drop a token whose Bernoulli KL "
+        "between pi_prox and pi_behav, the larger of both directions, exceeds t (AReaL's KPop: "
+        "2.0; needs trainer.old_logprob=recompute); t = rollout.seq_mask_threshold; dropped "
+        "tokens keep their place in the loss's normaliser (weight 0)",
     )
     seq_mask_threshold: float | None = opt(
         None,
         "rollout.seq_mask's t: geo > 1 (a bound on the geometric-mean ratio), opsm > 0 (nats "
-        "per token; the paper gives none, TRL suggests 0.5 to start)",
+        "per token; the paper gives none, TRL suggests 0.5 to start), icepop > 1 (the ratio's "
+        "upper bound; IcePop: 5), kpop > 0 (nats; AReaL's KPop: 2.0)",
+    )
+    seq_mask_low: float | None = opt(
+        None,
+        "rollout.seq_mask=icepop: the ratio's lower bound, within (0, 1) (IcePop: 0.5); null = "
+        "1 / rollout.seq_mask_threshold",
     )
 
     def check(self) -> None:
@@ -105,11 +116,24 @@ class RolloutConfig:
                 "seq_mask_threshold",
                 t,
                 "set while rollout.seq_mask=none, so nothing is masked; choose rollout.seq_mask="
-                "geo or opsm, or drop the threshold (null)",
+                "geo, opsm, icepop or kpop, or drop the threshold (null)",
             )
         if self.seq_mask != "none" and t is None:
             raise ConfigError("seq_mask_threshold", t, f"required with seq_mask={self.seq_mask}")
         if self.seq_mask == "geo" and not t > 1.0:
             raise ConfigError("seq_mask_threshold", t, "must be > 1 with seq_mask=geo")
-        if self.seq_mask == "opsm" and not 0.0 < t < math.inf:
-            raise ConfigError("seq_mask_threshold", t, "must be a finite number > 0 with opsm")
+        if self.seq_mask in ("opsm", "kpop") and not 0.0 < t < math.inf:
+            raise ConfigError(
+                "seq_mask_threshold", t, f"must be a finite number > 0 with {self.seq_mask}"
+            )
+        if self.seq_mask == "icepop" and not 1.0 < t < math.inf:
+            raise ConfigError("seq_mask_threshold", t, "must be a finite number > 1 with icepop")
+        low = self.seq_mask_low
+        if low is not None and self.seq_mask != "icepop":
+            raise ConfigError(
+                "seq_mask_low",
+                low,
+                "is icepop's lower bound: set rollout.seq_mask=icepop, or drop it (null)",
+            )
+        if low is not None and not 0.0 < low < 1.0:
+            raise ConfigError("seq_mask_low", low, "must be within (0, 1)")

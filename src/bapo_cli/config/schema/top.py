@@ -9,6 +9,7 @@ from typing import Any
 
 from omegaconf import MISSING
 
+from bapo_cli.config import registries
 from bapo_cli.config import servers as server_rules
 from bapo_cli.config.errors import ConfigError
 from bapo_cli.config.schema.benchmark import BenchmarkConfig, EvalConfig
@@ -20,8 +21,6 @@ from bapo_cli.config.schema.rollout import RolloutConfig
 from bapo_cli.config.schema.staleness import StalenessConfig, regime_class
 from bapo_cli.config.schema.tracking import PathsConfig, TrackingConfig
 from bapo_cli.config.schema.trainer import TrainerConfig
-
-GROUP_ADVANTAGES = ("grpo", "drgrpo", "rloo")
 
 
 @dataclass
@@ -50,13 +49,22 @@ class TrainConfig:
                 f"must be < model.max_model_len={self.model.max_model_len} (prompt + response "
                 "share the context: leave room for the prompt)",
             )
-        if self.algo.advantage in GROUP_ADVANTAGES and self.rollout.n < 2:
+        estimators = registries.load(registries.ADVANTAGES, "REGISTRY")
+        if estimators.get(self.algo.advantage).groups and self.rollout.n < 2:
             raise ConfigError(
                 "rollout.n",
                 self.rollout.n,
                 f"algo.advantage={self.algo.advantage} compares samples of one prompt: needs >= 2",
             )
         cap = self.algo.behav_weight_cap
+        if self.rollout.seq_mask == "kpop" and self.trainer.old_logprob != "recompute":
+            raise ConfigError(
+                "rollout.seq_mask",
+                "kpop",
+                "compares the proximal policy with the behaviour one (AReaL's rejection "
+                "sampling): needs trainer.old_logprob=recompute, which measures it before the "
+                "update",
+            )
         if cap is not None and self.trainer.old_logprob == "behaviour":
             raise ConfigError(
                 "algo.behav_weight_cap",
