@@ -54,7 +54,6 @@ report = study_v3.report
 EXPERIMENT = "paper45"
 LR = 6e-4
 ARMS = ("reuse8", "lag8")
-BEHAV_CAP = "5"  # algo.behav_weight_cap of the recomputed-proximal pair, as the stress table's
 CONFIGURATIONS = (
     *("grpo", "dapo", "topr", "dcpo", "bapo0.4", "bapo0.5"),  # Q1
     *("vespo", "luspo", "grpo+recompute", "grpo+recompute+kpop"),  # Q2
@@ -109,42 +108,10 @@ def configuration(facets: dict[str, str]) -> str:
 
 
 def load(uri: str, experiment: str = EXPERIMENT) -> list[study_v3.Run]:
-    """One setting's runs from its store, with `bapo report`'s per-run columns (unrounded).
-    Refused in one line: a run that is not a sweep job of the design, a recomputed-proximal
-    GRPO run without `algo.behav_weight_cap=5`, and two runs of one cell that differ in anything
-    but the seed."""
-    data = report.load_runs(uri, experiment=experiment)
-    report.label_runs(data)
-    runs, cells = [], {}
-    for d in data:
-        study_v3.require_facets(
-            d,
-            "not a job of the design's sweeps (`bapo train -m ... "
-            "experiment=study_v3_reuse8,study_v3_lag8 trainer.lr=6e-4 trainer.seed=...`)",
-        )
-        config = configuration(d.facets)
-        if "+recompute" in config and d.facets.get("algo.behav_weight_cap") != BEHAV_CAP:
-            raise report.ReportError(
-                f"run {d.run_id[:12]} ({config}) has algo.behav_weight_cap="
-                f"{d.facets.get('algo.behav_weight_cap')}; the design's recompute runs set 5"
-            )
-        run = study_v3.Run(
-            arm=d.facets["experiment"].removeprefix("study_v3_"),
-            lr=float(d.facets["trainer.lr"]),
-            algo=config,
-            seed=int(d.facets["trainer.seed"]),
-            values=dict(d.values),
-        )
-        setting = {k: v for k, v in d.facets.items() if k != report.SEED_KEY}
-        first_id, first = cells.setdefault((run.arm, run.lr, config), (d.run_id, setting))
-        if first != setting:
-            keys = sorted(k for k in {*first, *setting} if first.get(k) != setting.get(k))
-            raise report.ReportError(
-                f"runs {first_id[:12]} and {d.run_id[:12]} ({run.arm}, {config}) differ in "
-                f"{', '.join(keys[:4])}: one cell's runs may differ only in trainer.seed"
-            )
-        runs.append(run)
-    return runs
+    """One setting's runs from its store, named by `configuration` (`stress2.load`'s checks:
+    sweep jobs only, the recompute runs at `algo.behav_weight_cap=5`, one cell's runs differ
+    only in the seed)."""
+    return stress2.load(uri, experiment, configuration, lambda c: "+recompute" in c)
 
 
 def load_setting(source: str, experiment: str = EXPERIMENT) -> list[study_v3.Run]:

@@ -36,6 +36,7 @@ from __future__ import annotations
 import argparse
 import csv
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -77,11 +78,18 @@ def configuration(facets: dict[str, str]) -> str:
     return algo if old == "behaviour" else f"{algo}+{old}"
 
 
-def load(uri: str, experiment: str = EXPERIMENT) -> list[study_v3.Run]:
+def load(
+    uri: str,
+    experiment: str = EXPERIMENT,
+    name: Callable[[dict[str, str]], str] | None = None,
+    capped: Callable[[str], bool] = DECOUPLED.__contains__,
+) -> list[study_v3.Run]:
     """One setting's runs from its MLflow store, with `bapo report`'s per-run columns
-    (unrounded). Refused in one line: a run that is not a sweep job of the design (no
-    `experiment`, `trainer.lr` or `trainer.seed`), a decoupled GRPO run without
-    `algo.behav_weight_cap=5`, and two runs of one cell that differ in anything but the seed."""
+    (unrounded), each named by `name` (default `configuration`). Refused in one line: a run
+    that is not a sweep job of the design (no `experiment`, `trainer.lr` or `trainer.seed`), a
+    run whose configuration is `capped` without `algo.behav_weight_cap=5`, and two runs of one
+    cell that differ in anything but the seed."""
+    name = name or configuration
     data = report.load_runs(uri, experiment=experiment)
     report.label_runs(data)
     runs, cells = [], {}
@@ -91,8 +99,8 @@ def load(uri: str, experiment: str = EXPERIMENT) -> list[study_v3.Run]:
             "not a job of the design's sweeps (`bapo train -m ... "
             "experiment=study_v3_reuse8,study_v3_lag8 trainer.lr=6e-4 trainer.seed=...`)",
         )
-        config = configuration(d.facets)
-        if config in DECOUPLED and d.facets.get("algo.behav_weight_cap") != BEHAV_CAP:
+        config = name(d.facets)
+        if capped(config) and d.facets.get("algo.behav_weight_cap") != BEHAV_CAP:
             raise report.ReportError(
                 f"run {d.run_id[:12]} ({config}) has algo.behav_weight_cap="
                 f"{d.facets.get('algo.behav_weight_cap')}; the design's decoupled GRPO runs set 5"
