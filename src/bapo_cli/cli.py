@@ -9,9 +9,8 @@ run dir and calls the job (bapo_cli.launch.jobs).
 from __future__ import annotations
 
 import contextlib
-import os
+import inspect
 import sys
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -22,7 +21,6 @@ from rich.text import Text
 
 from bapo_cli import __version__
 from bapo_cli.config.errors import USAGE_EXIT_CODE
-from bapo_cli.config.hydra_runner import quote
 
 app = typer.Typer(
     name="bapo",
@@ -45,7 +43,8 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 
-OVERRIDES_HELP = "Hydra overrides: key=value, +key=value, ~key, group=option, a=1,2,3 (with -m)."
+OVERRIDES_HELP = "Config overrides: key=value, +key=value, ~key, group=option."
+SWEEP_OVERRIDES_HELP = OVERRIDES_HELP[:-1] + "; with -m, key=1,2,3 runs one job per value."
 _err = Console(stderr=True)
 
 
@@ -65,103 +64,12 @@ def _say(line: str) -> None:
 
 
 def _preflight(config_name: str, overrides: list[str] | None, multirun: bool = False):
-    from bapo_cli.config.preflight import PreflightError, preflight
+    from bapo_cli.launch import launcher
 
     try:
-        return preflight(config_name, list(overrides or []), multirun=multirun)
-    except PreflightError as exc:
-        if os.environ.get("HYDRA_FULL_ERROR") == "1":
-            raise
+        return launcher.check(config_name, overrides, multirun)
+    except launcher.Refused as exc:
         raise _fail(str(exc)) from None
-
-
-def _one_process_regime(cfg) -> None:
-    """A regime whose generation lives in a process of its own (async without servers) has no
-    data parallelism."""
-    from bapo_cli.staleness.regimes import REGIMES
-
-    name = cfg.staleness.regime
-    if not REGIMES.get(name).data_parallel(cfg):
-        raise _fail(
-            f"--nproc with staleness.regime={name}: that regime trains in one process (its "
-            "generation worker is the second); drop --nproc, or generate on vLLM servers "
-            "(rollout.servers=[URL,...] staleness.weights=filesystem)"
-        )
-
-
-def _launch(
-    config_name: str,
-    overrides: list[str] | None,
-    multirun: bool,
-    task,
-    allow_existing: bool = False,
-) -> None:
-    from bapo_cli import redact
-    from bapo_cli.config import hydra_runner
-
-    redact.mask_log_records()  # Hydra logs every job's overrides as typed
-    checked = _preflight(config_name, overrides, multirun)
-    rank = int(os.environ.get("RANK", "0"))
-    if rank == 0:
-        _check_servers(config_name, checked.config)  # generation servers: before the run dir
-    if rank > 0 and not any(o.startswith("hydra.run.dir=") for o in checked.overrides):
-        # under torchrun only rank 0 keeps a run dir; the trainer hands it to the other ranks
-        scratch = Path(tempfile.gettempdir()) / f"bapo-rank{rank}-{os.getpid()}"
-        checked.overrides.extend(
-            [f"hydra.run.dir={quote(str(scratch))}", "hydra.output_subdir=null"]
-        )
-    elif rank > 0:
-        # a named run dir is rank 0's: another rank writing `.hydra/` there could make rank 0's
-        # check (`_claim_output_dir`) take this very run for an earlier one
-        checked.overrides.append("hydra.output_subdir=null")
-    _claim_output_dir(checked, multirun, allow_existing)
-    if multirun:
-        jobs = "a sampled number of" if checked.num_jobs is None else str(checked.num_jobs)
-        Console().print(f"[bold]bapo {config_name}[/bold]: {jobs} jobs, every config validated")
-    if not (multirun and config_name == "train" and "mlflow" in checked.config.tracking.backends):
-        hydra_runner.run(
-            (["--multirun"] if multirun else []) + checked.overrides,
-            config_name=config_name,
-            task_function=task,
-        )
-        return
-    from bapo_cli.launch import sweep
-
-    sweep.run_grouped(checked, list(overrides or []), config_name, task)
-
-
-def _check_servers(config_name: str, cfg) -> None:
-    """Generation servers (rollout.servers, eval.server) answer and serve the run's model, and
-    the weights directory can be written: else one line, exit 2, nothing written (no run dir
-    yet). Imported only when servers are named: the check needs torch."""
-    if config_name == "train" and cfg.rollout.servers:
-        from bapo_cli.staleness.servers import preflight as check
-    elif config_name == "eval" and cfg.eval.server is not None:
-        from bapo_cli.evaluation.served import preflight as check
-    else:
-        return
-    from bapo_cli.models.errors import ModelLoadError
-    from bapo_cli.rollout.servers import ServerError
-    from bapo_cli.rollout.weights_fs import WeightsDirError
-
-    try:
-        check(cfg)
-    except (ServerError, WeightsDirError, ModelLoadError) as exc:
-        raise _fail(str(exc)) from None
-
-
-def _claim_output_dir(checked, multirun: bool, allow_existing: bool = False) -> Path | None:
-    """A run (sweep) dir of its own (bapo_cli.launch.rundir.settle): a fresh `<time>[-N]`, or
-    the real path of one the command line names (hydra.run.dir=... to resume), refused when it
-    holds a run; a torchrun rank > 0 leaves it to rank 0 (None)."""
-    from bapo_cli.launch import rundir
-
-    if int(os.environ.get("RANK", "0")) > 0:
-        return None
-    try:
-        return rundir.settle(checked, multirun, allow_existing)
-    except rundir.RunDirError as err:
-        raise _fail(str(err)) from None
 
 
 @app.command(
@@ -175,7 +83,9 @@ def _claim_output_dir(checked, multirun: bool, allow_existing: bool = False) -> 
     ),
 )
 def train(
-    overrides: list[str] | None = typer.Argument(None, help=OVERRIDES_HELP, show_default=False),
+    overrides: list[str] | None = typer.Argument(
+        None, help=SWEEP_OVERRIDES_HELP, show_default=False
+    ),
     multirun: bool = typer.Option(
         False, "--multirun", "-m", help="Run a Hydra sweep (one job per combination)."
     ),
@@ -226,71 +136,19 @@ def train(
     ),
 ) -> None:
     """Train a policy with the composed config (conf/train.yaml)."""
-    from bapo_cli.launch import forward, jobs, multinode
+    from bapo_cli.launch import jobs, launcher
 
-    if nproc < 0:
-        raise _fail(f"--nproc {nproc}: must be >= 0 (0 = no torchrun)")
-    many = nnodes != 1 or node_rank is not None or rdzv_endpoint is not None
-    topo = multinode.Topology(max(nproc, 1), nnodes, node_rank, rdzv_endpoint)  # 0 → 1 per node
-    given = {
-        "--nproc": nproc >= 1,
-        "--nnodes": nnodes != 1,
-        "--node-rank": node_rank is not None,
-        "--rdzv-endpoint": rdzv_endpoint is not None,
-        "--slurm-script": slurm_script is not None,
-    }
-    if any(given.values()) and "WORLD_SIZE" in os.environ:  # they would be ignored
-        raise _fail(multinode.launched_already([f for f, on in given.items() if on]))
-    if slurm_script is None and (gpus_per_node is not None or sbatch):
-        raise _fail("--gpus-per-node and --sbatch go with --slurm-script FILE")
-    if nproc >= 1 or many or slurm_script:
-        if multirun:
-            raise _fail("--nproc and -m together: run the sweep's jobs one torchrun at a time")
-        try:
-            topo.check(script=slurm_script is not None)
-        except multinode.LaunchError as err:
-            raise _fail(str(err)) from None
-        checked = _preflight("train", overrides)  # bad input fails here, before N processes start
-        _one_process_regime(checked.config)
-        if slurm_script is not None:
-            _write_slurm_script(slurm_script, topo, checked, gpus_per_node, sbatch)
-            return
-        program = multinode.train_program(list(overrides or []))
-        env = forward.agent_env(checked.config.trainer.stop_grace_s)
-        command = forward.agent_command(multinode.torchrun_command(topo, program))
-        raise typer.Exit(forward.run(command, env))
+    layout = launcher.TrainLayout(
+        nproc, nnodes, node_rank, rdzv_endpoint, slurm_script, gpus_per_node, tuple(sbatch or ())
+    )
     try:
-        _launch("train", overrides, multirun, jobs.train_job)
+        code = launcher.train(overrides, multirun, layout, jobs.train_job)
+    except launcher.Refused as exc:
+        raise _fail(str(exc)) from None
     except KeyboardInterrupt as stopped:  # the trainer saved, closed and said how to resume
         raise typer.Exit(getattr(stopped, "code", 130)) from None
-
-
-def _write_slurm_script(path: Path, topo, checked, gpus: int | None, sbatch) -> None:
-    """The sbatch script (bapo_cli.launch.slurm), its run dir claimed now: each attempt of the
-    job trains there with trainer.resume=true."""
-    from bapo_cli.launch import slurm
-
-    device = checked.config.model.device
-    gpus = (topo.nproc if device == "cuda" else 0) if gpus is None else gpus
-    if device == "cuda" and gpus == 0:
-        raise _fail("--gpus-per-node 0 with model.device=cuda: the job would have no GPU")
-    try:
-        slurm.check_sbatch(list(sbatch or []), checked.config.trainer.stop_grace_s)
-    except slurm.SlurmScriptError as err:
-        raise _fail(str(err)) from None
-    run_dir = _claim_output_dir(checked, False)
-    text = slurm.script(
-        topo,
-        checked.overrides,  # normalised: the output root pinned, as every attempt must see it
-        run_dir=os.path.abspath(run_dir),
-        grace_s=checked.config.trainer.stop_grace_s,
-        gpus_per_node=gpus,
-        sbatch=list(sbatch or []),
-    )
-    path.write_text(text)
-    path.chmod(0o700)  # its overrides may hold credentials (tracking.uri)
-    asked = f"{gpus} GPU(s) per node" if gpus else "no GPU (--gpus-per-node N asks for some)"
-    _say(f"wrote {path}: sbatch {path}  (run dir {run_dir}; {asked})")
+    if code:
+        raise typer.Exit(code)
 
 
 @app.command(
@@ -303,7 +161,9 @@ def _write_slurm_script(path: Path, topo, checked, gpus: int | None, sbatch) -> 
     ),
 )
 def evaluate(
-    overrides: list[str] | None = typer.Argument(None, help=OVERRIDES_HELP, show_default=False),
+    overrides: list[str] | None = typer.Argument(
+        None, help=SWEEP_OVERRIDES_HELP, show_default=False
+    ),
     multirun: bool = typer.Option(False, "--multirun", "-m", help="Run a Hydra sweep."),
     allow_existing_dir: bool = typer.Option(
         False,
@@ -317,10 +177,13 @@ def evaluate(
     Several benchmarks in one call (`benchmark=[aime24,aime25]`) run as a multirun: one job and
     one results.json per benchmark.
     """
-    from bapo_cli.launch import jobs
+    from bapo_cli.launch import jobs, launcher
 
     overrides, several = _benchmark_list(list(overrides or []))
-    _launch("eval", overrides, multirun or several, jobs.eval_job, allow_existing_dir)
+    try:
+        launcher.launch("eval", overrides, multirun or several, jobs.eval_job, allow_existing_dir)
+    except launcher.Refused as exc:
+        raise _fail(str(exc)) from None
 
 
 @app.command(
@@ -565,17 +428,21 @@ def report(
 @app.command()
 def ui(
     uri: str | None = typer.Option(None, help="Tracking URI (default: the train config's)."),
+    experiment: str | None = typer.Option(
+        None, help="The experiment whose runs it opens on (default: the train config's)."
+    ),
     port: int = typer.Option(5000, help="Port on 127.0.0.1."),
 ) -> None:
-    """Open the MLflow UI on the tracking store (runs `mlflow ui`; Ctrl-C, SIGTERM and SIGHUP
-    stop all of it, its output is relayed masked: bapo_cli.tracking.server.run_ui)."""
-    from bapo_cli import redact
-    from bapo_cli.tracking import server
+    """Start the MLflow UI on your tracking store and print the address of your runs.
 
-    if uri is None:
-        uri = _preflight("train", []).config.tracking.uri
-    shown = redact.text(uri)
-    _say(f"MLflow UI on http://127.0.0.1:{port} for {shown}  (Ctrl-C stops it)")
+    Ctrl-C (or closing the terminal) stops all of it."""
+    from bapo_cli import redact
+    from bapo_cli.tracking import server, store
+
+    tracking = _preflight("train", []).config.tracking
+    uri = tracking.uri if uri is None else uri
+    address = store.ui_address(uri, experiment or tracking.experiment, "127.0.0.1", port)
+    _say(f"MLflow UI for {redact.text(uri)}: {address}  (Ctrl-C stops it)")
     raise typer.Exit(server.run_ui(uri, port))
 
 
@@ -592,6 +459,20 @@ def _root(
     ),
 ) -> None:
     """Off-policy RL for LLMs with BAPO."""
+
+
+def _help_from_docstrings() -> None:
+    """Each command's help is its docstring, one line per paragraph (the console wraps it, not
+    the source's line breaks) and printed as written (`benchmark=[a,b]` is no markup)."""
+    from rich.markup import escape
+
+    for info in app.registered_commands:
+        doc = inspect.getdoc(info.callback) or ""
+        paragraphs = [" ".join(p.split()) for p in doc.split("\n\n")]
+        info.help = "\n\n".join(escape(p) for p in paragraphs if p)
+
+
+_help_from_docstrings()
 
 
 def main() -> None:

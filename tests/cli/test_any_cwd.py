@@ -55,12 +55,12 @@ def test_config_composes_from_any_cwd(odd_cwd: Path) -> None:
 SWEEP = """
 import sys
 from hydra.core.hydra_config import HydraConfig
-from bapo_cli import cli
+from bapo_cli.launch import launcher
 
 def task(cfg):
     print("JOB", cfg.paths.output_root, "|", HydraConfig.get().runtime.output_dir, flush=True)
 
-cli._launch("train", sys.argv[1:], True, task)
+launcher.launch("train", sys.argv[1:], True, task)
 """
 
 

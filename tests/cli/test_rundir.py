@@ -36,11 +36,11 @@ LAUNCH = """
 import os, sys, time
 from pathlib import Path
 from hydra.core.hydra_config import HydraConfig
-from bapo_cli import cli
+from bapo_cli.launch import launcher
 
 barrier, count = Path(sys.argv[1]), int(sys.argv[2])
 multirun, overrides = sys.argv[3] == "1", sys.argv[4:]
-checked = cli._preflight
+checked = launcher.check
 
 def in_step(*args, **kwargs):
     result = checked(*args, **kwargs)
@@ -60,8 +60,8 @@ def task(cfg):
     hydra = HydraConfig.get()
     print("DIR", hydra.sweep.dir if multirun else hydra.runtime.output_dir, flush=True)
 
-cli._preflight = in_step
-cli._launch("train", overrides, multirun, task)
+launcher.check = in_step
+launcher.launch("train", overrides, multirun, task)
 """
 
 

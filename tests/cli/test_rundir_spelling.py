@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from bapo_cli import cli
 from bapo_cli.cli import app
 from bapo_cli.config.preflight import PreflightError, distinct_job_dirs
+from bapo_cli.launch import launcher
 
 SAMPLES = '{"step": 1}\n'
 TINY = ("tracking=none", "trainer.max_steps=1")
@@ -79,12 +79,12 @@ def test_hydra_is_handed_the_real_path_that_was_checked(
     included (resolved once, at pre-flight)."""
     monkeypatch.chdir(tmp_path)
     (tmp_path / "x").mkdir()
-    checked = cli._preflight("train", ["tracking=none", f"hydra.run.dir={tmp_path}/x/../new"])
-    cli._claim_output_dir(checked, multirun=False)
+    checked = launcher.check("train", ["tracking=none", f"hydra.run.dir={tmp_path}/x/../new"])
+    launcher.claim_output_dir(checked, multirun=False)
     assert f"hydra.run.dir={tmp_path / 'new'}" in checked.overrides
     assert (tmp_path / "new").is_dir() and oct((tmp_path / "new").stat().st_mode)[-3:] == "700"
-    checked = cli._preflight("train", ["tracking=none", "hydra.run.dir=${now:%Y}/../r"])
-    cli._claim_output_dir(checked, multirun=False)
+    checked = launcher.check("train", ["tracking=none", "hydra.run.dir=${now:%Y}/../r"])
+    launcher.claim_output_dir(checked, multirun=False)
     assert f"hydra.run.dir={tmp_path / 'r'}" in checked.overrides
 
 
@@ -117,7 +117,7 @@ def test_job_dirs_may_not_nest_and_the_default_subdir_passes(tmp_path: Path) -> 
     with pytest.raises(PreflightError, match="jobs 0 and 2 would share one dir"):
         distinct_job_dirs(str(tmp_path), ["a", "b", "./a/"], "x")
     distinct_job_dirs(str(tmp_path), ["0", "1", "10"], "${hydra.job.num}")
-    checked = cli._preflight("train", ["tracking=none", "algo.rho0=0.3,0.4,0.5"], multirun=True)
+    checked = launcher.check("train", ["tracking=none", "algo.rho0=0.3,0.4,0.5"], multirun=True)
     assert checked.dirs.subdirs == ["0", "1", "2"]
 
 
@@ -181,8 +181,8 @@ def test_eval_keeps_out_of_a_checkpoint_unless_told(tmp_path: Path) -> None:
         "model.safetensors",
         "trainer_state.pt",
     ]
-    checked = cli._preflight("eval", ["tracking=none", f"hydra.run.dir={ckpt}"])
-    cli._claim_output_dir(checked, multirun=False, allow_existing=True)
+    checked = launcher.check("eval", ["tracking=none", f"hydra.run.dir={ckpt}"])
+    launcher.claim_output_dir(checked, multirun=False, allow_existing=True)
     assert f"hydra.run.dir={ckpt}" in checked.overrides
     assert not any(o.startswith("hydra.output_subdir=") for o in checked.overrides)
 
@@ -197,13 +197,13 @@ def test_eval_told_to_writes_its_record_beside_another_runs(tmp_path: Path) -> N
     code, out = _invoke("eval", *EVAL, f"hydra.run.dir={earlier}")
     assert code == 2 and "(.hydra, samples.jsonl, results.json)" in out, out
     overrides = ["tracking=none", f"hydra.run.dir={earlier}", "hydra.output_subdir=.hydra"]
-    checked = cli._preflight("eval", overrides)
-    cli._claim_output_dir(checked, multirun=False, allow_existing=True)
+    checked = launcher.check("eval", overrides)
+    launcher.claim_output_dir(checked, multirun=False, allow_existing=True)
     records = [o for o in checked.overrides if o.startswith("hydra.output_subdir=")]
     assert records == ["hydra.output_subdir=.hydra-eval"]
     (earlier / ".hydra-eval").mkdir()
-    checked = cli._preflight("eval", ["tracking=none", f"hydra.run.dir={earlier}"])
-    cli._claim_output_dir(checked, multirun=False, allow_existing=True)
+    checked = launcher.check("eval", ["tracking=none", f"hydra.run.dir={earlier}"])
+    launcher.claim_output_dir(checked, multirun=False, allow_existing=True)
     assert checked.overrides[-1] == "hydra.output_subdir=.hydra-eval-1"
 
 

@@ -137,7 +137,7 @@ JOB = """
 import os, stat, sys
 from pathlib import Path
 from hydra.core.hydra_config import HydraConfig
-from bapo_cli import cli
+from bapo_cli.launch import launcher
 from bapo_cli.launch import jobs
 
 def task(cfg):
@@ -151,7 +151,7 @@ def task(cfg):
         print("MODE", oct(stat.S_IMODE(path.stat().st_mode)), path.name, flush=True)
 
 os.umask(0o022)
-cli._launch("train", sys.argv[2:], sys.argv[1] == "1", task)
+launcher.launch("train", sys.argv[2:], sys.argv[1] == "1", task)
 """
 
 

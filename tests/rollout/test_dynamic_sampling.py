@@ -7,7 +7,7 @@ import itertools
 
 from bapo_cli.rollout.base import FINISH_STOP, Generation, Request, SamplingParams
 from bapo_cli.rollout.collect import Collector, DynamicSampling
-from bapo_cli.staleness.regimes import make_regime
+from bapo_cli.staleness.regimes import RegimeSettings, make_regime
 
 
 class _Engine:
@@ -87,9 +87,8 @@ def test_without_dynamic_sampling_the_batch_is_what_was_drawn() -> None:
 def test_the_regimes_train_on_the_refilled_batch() -> None:
     for name, k in (("reuse", 2), ("replay", 1), ("lag", 1)):
         collector, drawn = _collector(lambda p: p % 2 == 0, rounds=10)
-        regime = make_regime(
-            name, k=k, epochs=1, collector=collector, draw=_draw(drawn), prompts_per_step=4
-        )
+        settings = RegimeSettings(name, k=k, epochs=1, prompts_per_step=4)
+        regime = make_regime(settings, collector, _draw(drawn))
         batch = regime.next_batch()
         groups = {}
         for s in batch:

@@ -11,8 +11,8 @@ import torch
 from rich.console import Console
 
 from bapo_cli.config.preflight import preflight
-from bapo_cli.launch.plan import resolve_engine, train_rows
-from bapo_cli.rollout.base import choose_engine, resolve_engine_name
+from bapo_cli.launch.plan import train_rows
+from bapo_cli.rollout.base import EngineChoice, choose, choose_engine
 from tests.train.conftest import FAST
 
 cpu_only = pytest.mark.skipif(torch.cuda.is_available(), reason="checks a CPU-only machine")
@@ -30,13 +30,12 @@ def test_choose_engine_table(cuda, vllm, engine) -> None:
 def test_auto_resolves_to_transformers_on_this_cpu_machine(tmp_path: Path) -> None:
     # the real resolution: vllm(-cpu) may well be installed here, the device is what decides
     for device in (None, "auto", "cpu", torch.device("cpu")):
-        assert resolve_engine_name("auto", device) == "hf"
-    assert resolve_engine_name("vllm", "cpu") == "vllm"  # forcing it still works
-    assert resolve_engine("auto", "auto") == (
-        "hf",
-        "auto: transformers on CPU, where it is faster than vllm",
+        assert choose("auto", device).name == "hf"
+    assert choose("vllm", "cpu").name == "vllm"  # forcing it still works
+    assert choose("auto", "auto") == EngineChoice(
+        "hf", "auto: transformers on CPU, where it is faster than vllm"
     )
-    assert resolve_engine("vllm", "auto") == ("vllm", "selected")
+    assert choose("vllm", "auto") == EngineChoice("vllm", "selected")
     cfg = preflight("train", []).config  # the default config: rollout=auto
     assert cfg.rollout.name == "auto"
     assert dict(train_rows(cfg, tmp_path))["rollout"].startswith("hf (auto: transformers on CPU")

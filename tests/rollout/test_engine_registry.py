@@ -73,7 +73,7 @@ def test_choosing_hf_imports_no_vllm() -> None:
     done = _python(
         "import sys\n"
         "from bapo_cli.rollout import base\n"
-        "print(base.engine_class('hf').__name__, base.resolve_engine_name('auto', 'cpu'))\n"
+        "print(base.engine_class('hf').__name__, base.choose('auto', 'cpu').name)\n"
         "print(sorted(m for m in sys.modules if m == 'vllm' or m.startswith('bapo_cli.rollout.')))"
     )
     assert done.returncode == 0, done.stderr

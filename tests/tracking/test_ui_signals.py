@@ -1,4 +1,6 @@
-"""`bapo ui` stops all of its MLflow server on SIGHUP and SIGINT too (issue 33, item 9).
+"""`bapo ui` stops all of its MLflow server on SIGHUP and SIGINT too (issue 33, item 9), prints
+the address of the experiment's runs and keeps MLflow's INFO lines and Starlette's deprecation
+warning off the console (issue 44).
 
 A closed terminal or ssh session sends SIGHUP: passed on as it came, uvicorn read it as "restart
 the workers", so `bapo ui` hung and the server kept listening. SIGINT reached the server's
@@ -20,6 +22,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from bapo_cli.tracking import store
 from tests.faults.conftest import free_port
 
 pytestmark = pytest.mark.slow
@@ -45,14 +48,16 @@ def _listening(port: int) -> bool:
 class Ui:
     def __init__(self, tmp_path: Path, name: str) -> None:
         self.port = free_port()
-        self.err = tmp_path / f"{name}.err"
+        self.uri = f"sqlite:///{tmp_path}/{name}.db"
+        self.err, self.out = tmp_path / f"{name}.err", tmp_path / f"{name}.out"
         self.started: list[psutil.Process] = []
         env = {**os.environ, "COLUMNS": "200"}
-        with self.err.open("w") as err:
+        _, self.experiment = store.open_experiment(self.uri, "study")  # a store with one
+        with self.err.open("w") as err, self.out.open("w") as out:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "bapo_cli", "ui", "--uri", f"sqlite:///{tmp_path}/{name}.db"]
+                [sys.executable, "-m", "bapo_cli", "ui", "--uri", self.uri, "--experiment", "study"]
                 + ["--port", str(self.port)],
-                stdout=subprocess.DEVNULL,
+                stdout=out,
                 stderr=err,
                 env=env,
                 start_new_session=True,  # so that cleanup can reach everything it started
@@ -99,6 +104,10 @@ def test_bapo_ui_stops_its_whole_server_on_sighup_and_sigint_without_a_traceback
         for ui in uis.values():
             ui.started = ui.children()
             assert len(ui.started) >= 2  # `mlflow ui`, its uvicorn and uvicorn's workers
+            runs = f"http://127.0.0.1:{ui.port}/#/experiments/{ui.experiment}/runs"
+            assert f"{ui.uri}: {runs}  (Ctrl-C stops it)" in ui.out.read_text()
+            err = ui.err.read_text()
+            assert " INFO" not in err and "DeprecationWarning" not in err, err[-3000:]
         for sig, ui in uis.items():
             ui.proc.send_signal(sig)
         for sig, ui in uis.items():

@@ -41,7 +41,8 @@ class Halves(Regime):
     def next_batch(self) -> list[Sample]:
         return self.collector.complete(self.draw(self.prompts_per_step))
 
-    def split(self, samples: list[Sample]) -> list[list[Sample]]:
+    @classmethod
+    def split(cls, samples: list[Sample], k: int) -> list[list[Sample]]:
         return split_groups(samples, 2)
 
 

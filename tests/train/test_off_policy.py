@@ -189,7 +189,7 @@ CASES = {
 def test_every_mode_and_correction_gives_the_documented_ratio_and_weight(case, deferred, reused):
     mode = OffPolicy(**CASES[case])
     if deferred and mode.old_logprob == "recompute":
-        pytest.skip("scoring is never deferred under recompute (Run.score)")
+        pytest.skip("scoring is never deferred under recompute (BatchLayout.score)")
     p = _prepared(mode, deferred=deferred, reused=reused)
     inputs = ratio_inputs(p, mode, _t(LOGP).requires_grad_(), VERSION)
     old, behav, weight = _reference(mode, deferred, reused)

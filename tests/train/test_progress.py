@@ -54,7 +54,8 @@ def test_the_end_says_where_the_run_went_and_how_to_open_it(
     console = Console(file=io.StringIO(), width=80)
     run_dir = tmp_path / ("a-long-directory-name-" * 4) / "run"
     uri = f"sqlite:///{_output_root}/mlflow.db"  # the default store: plain `bapo ui`
-    print_summary(console, [M], run_dir, uri, "0" * 32, resume="bapo train trainer.resume=true")
+    resume = "bapo train trainer.resume=true"
+    print_summary(console, [M], progress.where_lines(run_dir, uri, "0" * 32, resume=resume))
     lines = _lines(console)
     assert f"run dir: {run_dir}" in lines  # whole, though longer than 80 columns
     assert f"MLflow: {uri}  run {'0' * 32}" in lines

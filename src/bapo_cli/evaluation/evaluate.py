@@ -39,7 +39,7 @@ from bapo_cli.models import hub
 from bapo_cli.models import loading as models
 from bapo_cli.rewards import GradeReport, MathGrader, extract_answer, grade_batch
 from bapo_cli.rewards.plugin import PythonReward
-from bapo_cli.rollout.base import Request, SamplingParams, make_engine, resolve_engine_name
+from bapo_cli.rollout.base import EngineChoice, Request, SamplingParams, choose, make_engine
 from bapo_cli.tracking import flatten, make_tracker, start_failure
 
 
@@ -181,10 +181,22 @@ def evaluate_benchmark(
     return BenchmarkResult(name, metrics, samples, truncated)
 
 
-def evaluate(cfg: Any, run_dir: Path, console: Console | None = None) -> dict[str, Any]:
-    """`bapo eval` for one benchmark config: results.json + samples.jsonl + MLflow + table."""
+def eval_engine(cfg: Any) -> EngineChoice:
+    """What samples `bapo eval`'s responses, decided once: the vLLM server of eval.server, or
+    `rollout=<name>` for model.device (`rollout.base.choose`)."""
+    if cfg.eval.server is not None:
+        return EngineChoice("vllm", f"the server {cfg.eval.server}, eval.server")
+    return choose(cfg.rollout.name, cfg.model.device)
+
+
+def evaluate(
+    cfg: Any, run_dir: Path, console: Console | None = None, engine: EngineChoice | None = None
+) -> dict[str, Any]:
+    """`bapo eval` for one benchmark config: results.json + samples.jsonl + MLflow + table;
+    `engine`: what samples, as the run plan showed it (decided here if None)."""
     import transformers
 
+    choice = engine or eval_engine(cfg)
     console = console or Console()
     transformers.utils.logging.disable_progress_bar()
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -193,15 +205,13 @@ def evaluate(cfg: Any, run_dir: Path, console: Console | None = None) -> dict[st
         raise DataError(f"benchmark {cfg.benchmark.name}: no problems to score")
     if cfg.eval.server is not None:  # a running vLLM server generates (evaluation/served.py)
         engine, tokenizer = served.served_engine(cfg, run_dir)
-        engine_name = f"the server {cfg.eval.server}"
     else:
         model, tokenizer = models.load_policy(cfg.model)
         model.eval()
-        engine_name = resolve_engine_name(cfg.rollout.name, next(model.parameters()).device)
-        engine = make_engine(engine_name, model=model, tokenizer=tokenizer, cfg=cfg)
+        engine = make_engine(choice.name, model=model, tokenizer=tokenizer, cfg=cfg)
     console.print(
         f"scoring {cfg.model.path} on {cfg.benchmark.name}: {len(problems)} problems × "
-        f"{cfg.eval.n} samples with {engine_name}",
+        f"{cfg.eval.n} samples with {choice}",
         markup=False,  # a path, not markup
         emoji=False,
     )

@@ -34,9 +34,10 @@ from typing import Any
 from bapo_cli.models import loading as models
 from bapo_cli.models.errors import ModelLoadError
 from bapo_cli.models.pretrained import first_line
-from bapo_cli.rollout import identity, lease, weights_fs
+from bapo_cli.rollout import identity, lease
 from bapo_cli.rollout.base import eos_ids
 from bapo_cli.rollout.claims import Owner
+from bapo_cli.rollout.pools import pool_for
 from bapo_cli.rollout.server_engine import ServerEngine
 from bapo_cli.rollout.servers import ServerError, ServerPool, ServerTaken
 
@@ -48,23 +49,20 @@ PAUSED_WAIT_S = 10.0
 def _pool(cfg: Any, owner: Owner | None = None) -> ServerPool:
     """The checked pool over eval.server (the weights' identity included); with an `owner`,
     claimed for the evaluation."""
-    source = models.model_dir(cfg.model)
-    expect = identity.model_identity(source, trust_remote_code=bool(cfg.model.trust_remote_code))
-    pool = ServerPool(
+    pool = pool_for(
         [cfg.eval.server],
-        expect=expect,
-        max_model_len=cfg.model.max_model_len,
+        cfg.model,
+        stall_s=cfg.rollout.server_stall_s,
+        fingerprint=True,
         owner=owner,
         stamped=False,
-        stall_s=float(cfg.rollout.server_stall_s),
         wait_paused_s=PAUSED_WAIT_S,  # this pool never pushes, so never resumes the server
     )
     try:
         pool.check()
         server = pool.servers[0]
-        wrong = identity.weights_mismatch(
-            server.url, server.info or {}, weights_fs.model_fingerprint(source), str(source)
-        )
+        source = str(models.model_dir(cfg.model))
+        wrong = identity.weights_mismatch(server.url, server.info or {}, pool.base, source)
         if wrong is not None:
             raise ServerError(wrong)
     except ServerError:

@@ -20,7 +20,6 @@ from rich.console import Console
 from bapo_cli import redact
 from bapo_cli.config.errors import USAGE_EXIT_CODE, ConfigError
 from bapo_cli.config.preflight import to_validated
-from bapo_cli.launch import plan
 from bapo_cli.launch.runlog import LoggedConsole, log, quiet_libraries
 
 SWEPT_ENV = "BAPO_SWEPT_KEYS"
@@ -60,9 +59,8 @@ def _keep_private() -> None:
 
 
 def _share_cores() -> None:
-    """Parallel jobs of a sweep (joblib's n_jobs) split the cores instead of each using all:
-    on 2 cores, 2 jobs × 2 threads ran ~7x slower than 2 jobs × 1 thread (measured here).
-    An explicit OMP_NUM_THREADS wins."""
+    """Parallel jobs of a sweep (joblib's n_jobs) split the cores instead of each using all,
+    which oversubscribes them (docs/sweeps.md). An explicit OMP_NUM_THREADS wins."""
     import os
 
     import torch
@@ -171,6 +169,8 @@ def train_job(cfg: DictConfig) -> float:
     A run stopped by Ctrl-C, SIGTERM or SIGUSR1 (saved, summarised, resume command shown)
     raises `Stopped` (a KeyboardInterrupt) here, so a sweep stops too and the CLI exits 128 + the
     signal (130, 143, 138)."""
+    from bapo_cli.launch import plan  # torch and the trainer: loaded once a job runs
+    from bapo_cli.staleness.source import sample_source
     from bapo_cli.trainer.interrupt import Stopped
     from bapo_cli.trainer.train import TrainingError, train
 
@@ -182,7 +182,8 @@ def train_job(cfg: DictConfig) -> float:
 
         hub.go_offline_if_unreachable()  # no network: the HF cache or one error line, no retries
     console = LoggedConsole()
-    plan.show("bapo train", plan.train_rows(config, run_dir), console)
+    source = sample_source(config)  # who samples, decided once: the plan shows what runs
+    plan.show("bapo train", plan.train_rows(config, run_dir, source), console)
     try:
         result = train(
             config,
@@ -191,6 +192,7 @@ def train_job(cfg: DictConfig) -> float:
             tags=_job_tags(),
             swept=_swept(),
             resume_command=_resume_command(run_dir),
+            source=source,
         )
     except _user_errors() as err:
         _error(f"error: {err}", USAGE_EXIT_CODE)
@@ -204,15 +206,17 @@ def train_job(cfg: DictConfig) -> float:
 
 def eval_job(cfg: DictConfig) -> float:
     """Score; returns avg@n (the objective a sweep over eval settings would maximize)."""
-    from bapo_cli.evaluation.evaluate import EvalTrackingError, evaluate
+    from bapo_cli.evaluation.evaluate import EvalTrackingError, eval_engine, evaluate
+    from bapo_cli.launch import plan
     from bapo_cli.rollout.servers import ServerError  # eval.server: the server failed
 
     config = _validated(cfg)
     run_dir = _run_dir()
     console = Console()
-    plan.show("bapo eval", plan.eval_rows(config, run_dir), console)
+    engine = eval_engine(config)  # decided once: the plan shows what runs
+    plan.show("bapo eval", plan.eval_rows(config, run_dir, engine), console)
     try:
-        results = evaluate(config, run_dir, console)
+        results = evaluate(config, run_dir, console, engine)
     except _user_errors() as err:
         _error(f"error: {err}", USAGE_EXIT_CODE)
     except (EvalTrackingError, ServerError) as err:

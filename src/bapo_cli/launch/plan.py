@@ -1,8 +1,10 @@
-"""Say, in plain words, what a validated config would run.
+"""Say, in plain words, what a validated config will run.
 
-`bapo train` and `bapo eval` print this before they start (and, until the training and evaluation
-engines land, instead of starting): the model, the loss and its clip bounds, what staleness means
-for this regime, the batch shape, the engine `rollout=auto` resolves to, and where numbers go.
+`bapo train` and `bapo eval` print this before they start: the model, the loss and its clip
+bounds, what staleness means for this regime, the batch shape, who samples, and where numbers
+go. Who samples is not worked out here: the rows read the same resolved object the run is built
+from (`staleness.source.SampleSource` for training, `rollout.base.EngineChoice` for evaluation),
+so the plan cannot disagree with what runs.
 """
 
 from __future__ import annotations
@@ -14,43 +16,28 @@ from rich.table import Table
 from rich.text import Text
 
 from bapo_cli import redact
+from bapo_cli.algos import losses
 from bapo_cli.config.schema import EvalRunConfig, TrainConfig
-
-
-def resolve_engine(name: str, device: str | None = None) -> tuple[str, str]:
-    """(engine, why) for `rollout=<name>` on `model.device=<device>`: `auto` picks vLLM on CUDA
-    when it imports, else transformers (see `rollout.base.choose_engine`)."""
-    from bapo_cli.rollout.base import device_is_cuda, resolve_engine_name
-
-    if name != "auto":
-        return name, "selected"
-    chosen = resolve_engine_name(name, device)
-    if chosen == "vllm":
-        return chosen, "auto: CUDA and vllm is available"
-    if not device_is_cuda(device):
-        return chosen, "auto: transformers on CPU, where it is faster than vllm"
-    return chosen, "auto: vllm is not available"
+from bapo_cli.evaluation.evaluate import eval_engine
+from bapo_cli.rollout.base import EngineChoice
+from bapo_cli.staleness.regimes import REGIMES
+from bapo_cli.staleness.source import SERVERS, WORKER, SampleSource, sample_source
+from bapo_cli.tracking.backends import where
 
 
 def describe_clip(algo: object) -> str:
     """The clip bounds in words, from the loss's params (`describe()`), whatever the loss."""
-    from bapo_cli.algos import losses
-
     return losses.REGISTRY.get(algo.loss).read_params(algo).describe()
 
 
 def describe_staleness(k: int, regime: str, epochs: int) -> str:
     """What `staleness=k` means under `regime`, in the regime's own words (`describe()`)."""
-    from bapo_cli.staleness.regimes import REGIMES
-
     return REGIMES.get(regime).describe(k, epochs)
 
 
 def describe_worst_staleness(k: int, regime: str, epochs: int) -> str:
     """The worst staleness an update can see, in versions: the regime's lag in steps compounded
     with the updates each step makes (reuse's mini-batches × ppo_epochs)."""
-    from bapo_cli.staleness.regimes import REGIMES
-
     cls = REGIMES.get(regime)
     lag, worst = cls.lag_steps(k), cls.worst_staleness(k, epochs)
     per_step = cls.updates_per_batch(k) * epochs
@@ -58,22 +45,6 @@ def describe_worst_staleness(k: int, regime: str, epochs: int) -> str:
         f"{worst} version{'s' if worst != 1 else ''} (lag {lag} step{'s' if lag != 1 else ''} × "
         f"{per_step} update{'s' if per_step != 1 else ''} per step, + {per_step - 1} on the same "
         "batch)"
-    )
-
-
-def describe_generation(cfg: TrainConfig) -> str:
-    """Where an async run's samples come from: its worker process, or generation servers."""
-    servers = list(cfg.rollout.servers)
-    if not servers:
-        return "a worker process on this machine, weights through shared memory"
-    if cfg.staleness.weights == "nccl":
-        weights = f"weights by NCCL from the trainer's GPU (group at {cfg.staleness.nccl_master})"
-    else:
-        weights = f"weights by file under {cfg.staleness.weights_dir or '<run dir>/weights'}"
-    pause = "; a push pauses responses mid-way (interrupt)" if cfg.staleness.interrupt else ""
-    return (
-        f"{len(servers)} vLLM server{'s' if len(servers) > 1 else ''} ({', '.join(servers)}), "
-        f"{weights}{pause}"
     )
 
 
@@ -100,8 +71,6 @@ def _table(title: str, rows: list[tuple[str, str]]) -> Table:
 
 
 def _tracking(cfg: TrainConfig | EvalRunConfig) -> str:
-    from bapo_cli.tracking.backends import where
-
     if not cfg.tracking.backends:
         return "off (tracking=none)"
     return "; ".join(f"{name}: {where(cfg.tracking, name)}" for name in cfg.tracking.backends)
@@ -115,8 +84,12 @@ def _lora(model: object) -> str:
     return f", LoRA r={lora.rank} alpha={lora.alpha:g} on {','.join(lora.target_modules)}"
 
 
-def train_rows(cfg: TrainConfig, run_dir: Path) -> list[tuple[str, str]]:
-    engine, why = resolve_engine(cfg.rollout.name, cfg.model.device)
+def train_rows(
+    cfg: TrainConfig, run_dir: Path, source: SampleSource | None = None
+) -> list[tuple[str, str]]:
+    """The plan of `bapo train`; `source`: who samples, as the run will be given it."""
+    source = source or sample_source(cfg)
+    sampling = f"n={cfg.rollout.n} T={cfg.rollout.temperature:g}"
     seqs = cfg.trainer.prompts_per_step * cfg.rollout.n
     return [
         ("model", f"{cfg.model.name} ({cfg.model.path}){_lora(cfg.model)}"),
@@ -134,8 +107,8 @@ def train_rows(cfg: TrainConfig, run_dir: Path) -> list[tuple[str, str]]:
             ),
         ),
         ("data", describe_data(cfg.data)),
-        ("rollout", f"{engine} ({why}); n={cfg.rollout.n} T={cfg.rollout.temperature:g}"),
-        *([("generation", describe_generation(cfg))] if cfg.staleness.regime == "async" else []),
+        ("rollout", f"{source.rollout()}; {sampling}"),
+        *([("generation", source.generation())] if source.place in (WORKER, SERVERS) else []),
         ("batch", f"{cfg.trainer.prompts_per_step} prompts × {cfg.rollout.n} = {seqs} sequences"),
         ("steps", f"{cfg.trainer.max_steps} at lr {cfg.trainer.lr:g}, seed {cfg.trainer.seed}"),
         ("tracking", _tracking(cfg)),
@@ -143,15 +116,18 @@ def train_rows(cfg: TrainConfig, run_dir: Path) -> list[tuple[str, str]]:
     ]
 
 
-def eval_rows(cfg: EvalRunConfig, run_dir: Path) -> list[tuple[str, str]]:
-    engine, why = resolve_engine(cfg.rollout.name, cfg.model.device)
+def eval_rows(
+    cfg: EvalRunConfig, run_dir: Path, engine: EngineChoice | None = None
+) -> list[tuple[str, str]]:
+    """The plan of `bapo eval`; `engine`: what samples, as the evaluation will be given it."""
+    engine = engine or eval_engine(cfg)
     source = cfg.benchmark.path or f"{cfg.benchmark.hf_id} [{cfg.benchmark.split}]"
     limit = "all problems" if cfg.eval.limit is None else f"first {cfg.eval.limit} problems"
     return [
         ("model", f"{cfg.model.name} ({cfg.model.path})"),
         ("benchmark", f"{cfg.benchmark.name}: {source}, {limit}"),
         ("sampling", f"n={cfg.eval.n} T={cfg.eval.temperature:g} top_p={cfg.eval.top_p:g}"),
-        ("engine", f"{engine} ({why})"),
+        ("engine", str(engine)),
         ("tracking", _tracking(cfg)),
         ("run dir", str(run_dir)),
     ]

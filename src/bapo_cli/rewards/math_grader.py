@@ -62,8 +62,8 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT_S = 5.0
 MAX_ANSWER_CHARS = 2000  # longer "answers" (and references) are wrong without parsing
-# math-verify's LaTeX parser is exponential in bare nested braces ("{{{x}}}"): depth 10 costs
-# ~0.7 s, 12 ~1.6 s, 14 ~6 s. The deepest MATH-500 reference nests 2 levels.
+# math-verify's LaTeX parser is exponential in bare nested braces ("{{{x}}}": costs in
+# docs/faults.md); MATH-500's references nest at most 2 levels.
 MAX_BRACE_DEPTH = 10
 WORKER_MODULE = "bapo_cli.rewards.worker"
 

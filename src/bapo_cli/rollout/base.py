@@ -14,12 +14,12 @@ A `Sample` is one response as the trainer sees it: prompt ids, response ids, the
 log-prob and policy version of every response token, the finish reason, its prompt group (the
 GRPO group) and, once graded, its reward.
 
-Engines are chosen by name (`rollout=hf|vllm|auto`). `ENGINES` maps each name to the class that
-implements it as a `module:Class` path, and `make_engine` loads the chosen one with importlib:
-this module names its engines but never imports them, so the engines import it (for the records
-above) and nothing imports back. That is the rollout layer's one plug-in point, and deliberate:
-`bapo_cli.rollout.vllm` imports vLLM at module level, an optional and heavy dependency, so it
-must be loaded only when `rollout=vllm` is chosen (and its ImportError turned into one line).
+Engines are chosen by name (`rollout=hf|vllm|auto`: `choose` resolves `auto`, once per run).
+`ENGINES` maps each name to the class that implements it as a `module:Class` path, and
+`make_engine` loads the chosen one with importlib: this module names its engines but never
+imports them, so the engines import it (for the records above) and nothing imports back: the
+rollout layer's one plug-in point, since `bapo_cli.rollout.vllm` imports vLLM (optional and
+heavy) at module level and must load only for `rollout=vllm` (its ImportError one line).
 """
 
 from __future__ import annotations
@@ -161,12 +161,29 @@ def device_is_cuda(device: torch.device | str | None = None) -> bool:
     return torch.device(device).type == "cuda"
 
 
-def resolve_engine_name(name: str, device: torch.device | str | None = None) -> str:
-    """`auto` → `choose_engine` for the policy's device (the choice is printed and logged by the
-    trainer); any other name is returned as it is."""
+@dataclass(frozen=True)
+class EngineChoice:
+    """The engine a run samples with, and why: `choose` decides it once per run."""
+
+    name: str  # a key of ENGINES (hf, vllm)
+    why: str  # "selected", or what `rollout=auto` found
+
+    def __str__(self) -> str:
+        return f"{self.name} ({self.why})"
+
+
+def choose(name: str, device: torch.device | str | None = None) -> EngineChoice:
+    """`rollout=<name>` on `model.device=<device>`: `auto` is `choose_engine` for the device
+    (vLLM on CUDA when it imports, else transformers); any other name is taken as it is."""
     if name != "auto":
-        return name
-    return choose_engine(device_is_cuda(device), vllm_available())
+        return EngineChoice(name, "selected")
+    cuda = device_is_cuda(device)
+    chosen = choose_engine(cuda, vllm_available())
+    if chosen == "vllm":
+        return EngineChoice(chosen, "auto: CUDA and vllm is available")
+    if not cuda:
+        return EngineChoice(chosen, "auto: transformers on CPU, where it is faster than vllm")
+    return EngineChoice(chosen, "auto: vllm is not available")
 
 
 def engine_class(name: str) -> Callable[..., RolloutEngine]:
@@ -189,8 +206,5 @@ def engine_class(name: str) -> Callable[..., RolloutEngine]:
 
 
 def make_engine(name: str, **kwargs: Any) -> RolloutEngine:
-    """Build the engine `ENGINES` names `name` (hf, vllm); `auto` resolves first (for the device
-    of `kwargs["model"]`)."""
-    model = kwargs.get("model")
-    device = next(model.parameters()).device if isinstance(model, torch.nn.Module) else None
-    return engine_class(resolve_engine_name(name, device))(**kwargs)
+    """Build the engine `ENGINES` names `name` (hf, vllm: `choose` has resolved `auto`)."""
+    return engine_class(name)(**kwargs)

@@ -3,8 +3,7 @@ the server's worker extension, `rollout.vllm_ext`), and the client's word for ea
 
 Why: two runs on one server train on each other's weights. Both number their versions 1, 2, 3,
 so neither the servers' version stamps nor the probe (each run compares the server with its own
-weights right after its own push) can tell; measured before this existed: 14% of each run's
-requests sampled under the other run's weights, both runs exiting 0.
+weights right after its own push) can tell (docs/engines.md has what it cost).
 
 A holder is a run (`run`: its identity, `host:run dir`, the same when `trainer.resume=true`
 starts it again) in one process (`nonce`), of a kind:

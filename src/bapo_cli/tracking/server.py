@@ -85,7 +85,8 @@ def run_ui(uri: str, port: int, host: str = "127.0.0.1") -> int:
     import threading
 
     command = [sys.executable, "-m", "mlflow", "ui", "--host", host, "--port", str(port)]
-    env = {**os.environ, "MLFLOW_BACKEND_STORE_URI": uri}
+    command += ["--uvicorn-opts", "--log-level warning"]  # its warnings and errors, no INFO
+    env = {**os.environ, "MLFLOW_BACKEND_STORE_URI": uri, **quiet_ui_env()}
     received: list[int] = []  # the handler only appends: the main loop below acts on it
 
     def note(signum: int, _frame: object) -> None:
@@ -123,6 +124,17 @@ def run_ui(uri: str, port: int, host: str = "127.0.0.1") -> int:
         return 128 + received[0]  # the shell's convention for "ended by signal N"
     code = proc.returncode
     return code if code >= 0 else 128 - code
+
+
+# MLflow 3.17 imports starlette.middleware.wsgi, which Starlette 1.x warns about in every worker
+STARLETTE_WSGI_WARNING = "ignore:starlette.middleware.wsgi is deprecated"
+
+
+def quiet_ui_env() -> dict[str, str]:
+    """The UI's environment additions: MLflow's own logs from WARNING up, and no Starlette
+    deprecation warning (the user's PYTHONWARNINGS kept)."""
+    warnings = [w for w in (os.environ.get("PYTHONWARNINGS"), STARLETTE_WSGI_WARNING) if w]
+    return {"MLFLOW_LOGGING_LEVEL": "WARNING", "PYTHONWARNINGS": ",".join(warnings)}
 
 
 def _relay(stream: Any) -> None:

@@ -107,3 +107,18 @@ def open_experiment(uri: str, experiment: str) -> tuple[Any, str]:
     with store_lock(uri):
         mlflow = client(uri)
         return mlflow, ensure_experiment(mlflow, experiment, artifact_location(uri))
+
+
+def ui_address(uri: str, experiment: str, host: str, port: int) -> str:
+    """Where `bapo ui` should be opened: the runs of `experiment` (MLflow 3 opens an experiment
+    on its GenAI traces page, empty for training runs), else the UI's front page. Only a local
+    store is looked into: a server's UI is not what `bapo ui` starts."""
+    base = f"http://{host}:{port}/"
+    local = sqlite_path(uri) is not None or uri.startswith("file:") or "://" not in uri
+    if not (local and store_exists(uri)):
+        return base
+    try:
+        found = client(uri).get_experiment_by_name(experiment_name(experiment))
+    except Exception:  # noqa: BLE001  (an unreadable store: the UI itself will say why)
+        return base
+    return base if found is None else f"{base}#/experiments/{found.experiment_id}/runs"

@@ -1,7 +1,7 @@
-"""The pieces `train()`'s `_build` assembles from the config, each from its own group: the policy
-(LoRA, the KL reference, the scorer that computes log-probs under DDP or FSDP2, mixed precision),
-the optimizer and its LR schedule, the sampling parameters, and the checks that refuse a run the
-process layout or LoRA cannot train."""
+"""The pieces `setup` assembles from the config, each from its own group: the policy (LoRA, the KL
+reference, the scorer that computes log-probs under DDP or FSDP2, mixed precision), the
+optimizer and its LR schedule, the sampling parameters, the collector, the regime's settings,
+and the checks that refuse a run the process layout or LoRA cannot train."""
 
 from __future__ import annotations
 
@@ -17,16 +17,29 @@ from bapo_cli.config.schema import TrainConfig
 from bapo_cli.models import loading as models
 from bapo_cli.models import lora
 from bapo_cli.rollout.base import SamplingParams
-from bapo_cli.rollout.scoring import ResponseLogits, disable_dropout
-from bapo_cli.staleness.regimes import REGIMES
+from bapo_cli.rollout.collect import Collector, DynamicSampling
+from bapo_cli.rollout.scoring import ResponseLogits, disable_dropout, logprob_dtype
+from bapo_cli.staleness.regimes import REGIMES, RegimeSettings
+from bapo_cli.staleness.source import WORKER, SampleSource, parallel_refusal
+from bapo_cli.staleness.worker import WorkerSpec
 from bapo_cli.trainer import distributed
+from bapo_cli.trainer.layout import BatchLayout
+from bapo_cli.trainer.prompts import PromptStream
 from bapo_cli.trainer.run import TrainingError
 
-__all__ = ["check_parallel", "make_optimizer", "make_policy", "sampling_params"]
+__all__ = [
+    "check_parallel",
+    "make_collector",
+    "make_layout",
+    "make_optimizer",
+    "make_policy",
+    "regime_settings",
+    "sampling_params",
+]
 
 
 def make_policy(
-    cfg: TrainConfig, ctx: distributed.DistContext, resume_from: Path | None
+    cfg: TrainConfig, ctx: distributed.DistContext, resume_from: Path | None, source: SampleSource
 ) -> tuple[torch.nn.Module, Any, torch.nn.Module | None, torch.nn.Module, torch.dtype | None]:
     """(policy, tokenizer, KL reference, scorer, autocast dtype). Mixed precision: float32
     weights and optimizer state, forwards in model.dtype (autocast; FSDP2 casts through its
@@ -42,7 +55,7 @@ def make_policy(
     stored_dtype = torch.float32 if mixed else compute_dtype
     autocast = compute_dtype if mixed and not ctx.sharded else None
     if use_lora:
-        _check_lora(cfg, ctx)
+        _check_lora(cfg, ctx, source)
         if resume_from is not None:  # the adapter's files, before the base's weights load
             lora.check_adapter(resume_from)
     model, tokenizer = models.load_policy(model_cfg, device=device, dtype=stored_dtype)
@@ -62,14 +75,14 @@ def make_policy(
     return model, tokenizer, ref_model, scorer, autocast
 
 
-def _check_lora(cfg: TrainConfig, ctx: distributed.DistContext) -> None:
+def _check_lora(cfg: TrainConfig, ctx: distributed.DistContext, source: SampleSource) -> None:
     """What LoRA does not support (yet): sharding, and a generation worker of its own."""
     if ctx.sharded:
         raise TrainingError(
             "model.lora with trainer.strategy=fsdp2: not supported; use trainer.strategy=ddp "
             "(the adapters are small: every rank holds them whole)"
         )
-    if REGIMES.get(cfg.staleness.regime).generates_elsewhere:
+    if source.place == WORKER:
         raise TrainingError(
             f"model.lora with staleness.regime={cfg.staleness.regime}: its generation worker "
             "loads a plain model and cannot take adapter weights; use another regime"
@@ -104,21 +117,86 @@ def make_optimizer(
 
 
 def check_parallel(cfg: TrainConfig, ctx: distributed.DistContext) -> None:
-    """What data parallelism needs: equal shares of whole prompt groups on every rank."""
-    if not ctx.enabled:
-        return
-    if not REGIMES.get(cfg.staleness.regime).data_parallel(cfg):
-        raise TrainingError(
-            f"staleness.regime={cfg.staleness.regime} trains in one process: run it without "
-            "--nproc / torchrun, or generate on vLLM servers (rollout.servers)"
+    """What data parallelism needs (`staleness.source.parallel_refusal`)."""
+    refusal = parallel_refusal(cfg, ctx.world_size) if ctx.enabled else None
+    if refusal is not None:
+        raise TrainingError(refusal)
+
+
+def make_layout(
+    cfg: TrainConfig,
+    ctx: distributed.DistContext,
+    model: torch.nn.Module,
+    tokenizer: Any,
+    scorer: torch.nn.Module,
+    source: SampleSource,
+) -> BatchLayout:
+    """How the run's samples become tensors and are scored (`trainer.layout`)."""
+    return BatchLayout(
+        regime=REGIMES.get(cfg.staleness.regime),
+        k=cfg.staleness.k,
+        trainer=cfg.trainer,
+        temperature=cfg.rollout.temperature,
+        pad_id=tokenizer.pad_token_id,
+        device=next(model.parameters()).device,
+        dtype=logprob_dtype(model),  # float64 under model.dtype=float64, else float32
+        ctx=ctx,
+        scorer=scorer,
+        engine_logprobs=source.engine.name != "hf",
+    )
+
+
+def make_collector(
+    cfg: TrainConfig,
+    engine: Any,
+    tokenizer: Any,
+    prompts: PromptStream,
+    score: Any,
+    ctx: distributed.DistContext,
+) -> Collector:
+    """Rounds of generation with `engine`, graded by the prompt stream, scored by `score`."""
+    return Collector(
+        engine=engine,
+        tokenizer=tokenizer,
+        params=sampling_params(cfg),
+        n=cfg.rollout.n,
+        encode=prompts.encode,
+        reward=prompts.reward,
+        score=score,
+        reward_many=prompts.reward_many,
+        next_group=ctx.rank,  # group ids unique across ranks: rank r's are r, r + W, ...
+        group_step=ctx.world_size,
+        dynamic=DynamicSampling(cfg.algo.resample_rounds) if cfg.algo.dynamic_sampling else None,
+    )
+
+
+def regime_settings(
+    cfg: TrainConfig,
+    source: SampleSource,
+    ctx: distributed.DistContext,
+    model: torch.nn.Module,
+    collector: Collector,
+) -> RegimeSettings:
+    """The regime's settings: this rank's share of the prompts, and for the async regime what
+    generates (the servers', or its worker process's spec: the trainer's engine choice, weight
+    dtype, mixed precision and sampling)."""
+    generator: Any = source.servers
+    if source.place == WORKER:
+        generator = WorkerSpec(
+            engine=source.engine.name,
+            cfg=cfg,
+            dtype=next(model.parameters()).dtype,
+            autocast=getattr(collector.engine, "autocast", None),
+            params=collector.params,
+            seed=collector.params.seed or 0,
         )
-    per_batch = REGIMES.get(cfg.staleness.regime).updates_per_batch(cfg.staleness.k)
-    parts = ctx.world_size * per_batch
-    if cfg.trainer.prompts_per_step % parts:
-        raise TrainingError(
-            f"trainer.prompts_per_step={cfg.trainer.prompts_per_step} must split into "
-            f"{ctx.world_size} ranks × mini-batches of whole prompt groups (a multiple of {parts})"
-        )
+    return RegimeSettings(
+        name=cfg.staleness.regime,
+        k=cfg.staleness.k,
+        epochs=cfg.staleness.ppo_epochs,
+        prompts_per_step=cfg.trainer.prompts_per_step // ctx.world_size,
+        generator=generator,
+    )
 
 
 def _lr_lambda(warmup: int, total: int, schedule: str):

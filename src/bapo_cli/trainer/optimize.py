@@ -122,7 +122,7 @@ def _prepare(
 ) -> Prepared:
     """What micro-batch `mb` needs measured before this use (`last`: its previous use in the
     step, whose behaviour log-probs and proximal forward it keeps). The first mini-batch of a
-    step may have its scoring deferred to its first update (`Run.score`)."""
+    step may have its scoring deferred to its first update (`BatchLayout.score`)."""
     deferred = first and mb.unscored
     current = None
     if mode.seq_mask == "opsm" and not deferred:  # pi_old against the weights of this update

@@ -199,16 +199,10 @@ def _default_uri(uri: str) -> bool:
 def print_summary(
     console: Console,
     history: list[dict[str, float]],
-    run_dir: Path,
-    uri: str,
-    run_id: str | None,
-    *,
-    resume: str | None = None,
+    lines: list[str],
     title: str = "bapo train: summary",
-    mlflow: bool = True,
-    others: list[str] | tuple[str, ...] = (),
 ) -> None:
-    """The table, then the where-lines unwrapped (copyable at any console width)."""
+    """The table, then `lines` (`where_lines`) unwrapped: copyable at any console width."""
     console.print(summary_table(history, title))
-    for line in where_lines(run_dir, uri, run_id, resume=resume, mlflow=mlflow, others=others):
+    for line in lines:
         console.print(line, highlight=False, markup=False, soft_wrap=True)

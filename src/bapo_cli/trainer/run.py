@@ -1,7 +1,8 @@
 """What one training run is made of, handed from stage to stage of `train()`: the `Run` (every
-piece `_build` made: config, model and scorer, optimizer, prompts, engine, collector, regime, loss
-spec, and what the stages keep between steps), its counters (`TrainState`, saved in checkpoints)
-and `TrainingError`, which every stage raises when training cannot go on."""
+piece `setup` built: config, model and scorer, optimizer, prompts, engine, batch layout,
+collector, regime, loss spec, and what the stages keep between steps), its counters
+(`TrainState`, saved in checkpoints) and `TrainingError`, which every stage raises when training
+cannot go on."""
 
 from __future__ import annotations
 
@@ -15,20 +16,15 @@ from rich.console import Console
 from bapo_cli.config.schema import TrainConfig
 from bapo_cli.rollout.base import Sample
 from bapo_cli.rollout.collect import Collector
-from bapo_cli.rollout.scoring import (
-    MicroBatch,
-    collate,
-    logprob_dtype,
-    record_behaviour,
-    split_micro,
-    split_to_count,
-)
+from bapo_cli.rollout.scoring import MicroBatch
 from bapo_cli.staleness.regimes import Regime
+from bapo_cli.staleness.source import SampleSource
 from bapo_cli.trainer import checkpoint, distributed
+from bapo_cli.trainer.layout import BatchLayout
 from bapo_cli.trainer.prompts import PromptStream
 from bapo_cli.trainer.update import LossSpec
 
-__all__ = ["Run", "TrainState", "TrainingError"]
+__all__ = ["Run", "TrainResult", "TrainState", "TrainingError"]
 
 
 class TrainingError(RuntimeError):
@@ -41,6 +37,18 @@ class TrainState:
     version: int = 0  # optimizer updates applied = policy version
     skipped_in_a_row: int = 0
     history: list[dict[str, float]] = field(default_factory=list)
+
+
+@dataclass
+class TrainResult:
+    run_dir: Path
+    run_id: str | None
+    history: list[dict[str, float]]  # one dict of logged metrics per step
+    checkpoint: Path | None  # the last checkpoint written
+    updates: list[dict[str, float]] = field(default_factory=list)  # per update (this process)
+    last_batch: list[Sample] = field(default_factory=list)  # the samples of the last step
+    interrupted: bool = False  # stopped by Ctrl-C or a signal (run KILLED, resume printed)
+    exit_code: int = 0  # 128 + the signal that stopped it (130 Ctrl-C, 143 SIGTERM)
 
 
 @dataclass
@@ -57,15 +65,14 @@ class Run:
     tokenizer: Any
     device: torch.device
     prompts: PromptStream
-    engine_name: str
-    engine: Any
+    source: SampleSource  # who samples: decided once, shown in the run plan
+    engine: Any  # the engine in this process (validation only when samples come from elsewhere)
     spec: LossSpec
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LambdaLR
-    # set by _build once the run exists: the collector scores with `score`, which splits by the
-    # regime, which draws from the collector
-    collector: Collector = field(init=False)
-    regime: Regime = field(init=False)
+    batches: BatchLayout
+    collector: Collector
+    regime: Regime
     state: TrainState = field(default_factory=TrainState)
     run_id: str | None = None  # the MLflow run to continue (resume)
     val_sets: list[Any] = field(default_factory=list)
@@ -80,39 +87,8 @@ class Run:
     prompt_stats: dict[str, list[float]] = field(default_factory=dict)
 
     def layout(self, samples: list[Sample], *, updates: bool = False) -> list[list[MicroBatch]]:
-        """Mini-batches (one per optimizer update) of micro-batches; the same split scores the
-        behaviour log-probs and trains, so an on-policy update sees identical tensors.
-
-        `updates` (the optimizer's layout, which every rank makes in step): under FSDP2 with
-        several ranks and trainer.micro_batch_tokens, every mini-batch gets the largest count of
-        micro-batches any rank packed (one all-reduce; `split_to_count`), since each forward is a
-        collective. Scoring needs no such agreement: it runs in `gathered()`, no collective."""
-        trainer, pad = self.cfg.trainer, self.tokenizer.pad_token_id
-        dtype = logprob_dtype(self.model)  # float64 under model.dtype=float64, else float32
-        parts = [
-            split_micro(part, size=trainer.micro_batch_size, tokens=trainer.micro_batch_tokens)
-            for part in self.regime.split(samples)
-        ]
-        if updates and self.ctx.sharded and self.ctx.world_size > 1 and trainer.micro_batch_tokens:
-            counts = self.ctx.max([float(len(micro)) for micro in parts])
-            parts = [split_to_count(m, int(c)) for m, c in zip(parts, counts, strict=True)]
-        return [[collate(micro, pad, self.device, dtype) for micro in part] for part in parts]
-
-    def score(self, samples: list[Sample]) -> None:
-        """Behaviour log-probs of fresh samples. A regime whose first mini-batch is trained by
-        the weights that sampled it (`defer_first`) leaves that one to the first update's own
-        forward (not with an engine that reports its own log-probs: those are compared with the
-        trainer's)."""
-        defer_first = (
-            self.regime.defer_first
-            and self.cfg.trainer.old_logprob != "recompute"  # loglinear needs no proximal pass
-            and self.engine_name == "hf"
-        )
-        for i, mini in enumerate(self.layout(samples)):
-            if defer_first and i == 0:
-                continue
-            for mb in mini:
-                record_behaviour(self.scorer, mb, self.cfg.rollout.temperature)
+        """Mini-batches (one per optimizer update) of collated micro-batches (`BatchLayout`)."""
+        return self.batches.layout(samples, updates=updates)
 
     def rank_state(self) -> dict[str, Any]:
         """What differs between ranks: sampling RNG, data position, the regime's buffers (and the

@@ -1,18 +1,161 @@
-"""The loop's side of a stop (Ctrl-C, SIGTERM, SIGUSR1; the signals themselves are
-bapo_cli.trainer.interrupt): every rank agrees on the step to stop at, or to abandon, and an
-abandoned step saves the last completed one from the snapshot taken at its start."""
+"""How a training run stops. `StopProtocol` is the one context around `train()`: it turns stop
+signals into a request (bapo_cli.trainer.interrupt), and on the way out closes the run with its
+status (FINISHED; KILLED after a stop, an abandoned step or a second Ctrl-C; FAILED otherwise),
+saves the last step first when the generator stopped serving (`checkpoint_first`), and prints
+the summary with the command that resumes a stopped run. Beside it, the loop's side of a stop:
+every rank agrees on the step to stop at, or to abandon (`agree`), and an abandoned step saves
+the last completed one from the snapshot taken at its start (`step_snapshot`, `abandon`)."""
 
 from __future__ import annotations
 
 import copy
 from typing import Any
 
+from rich.console import Console
+
+from bapo_cli.config.schema import TrainConfig
 from bapo_cli.staleness.regimes import Regime
-from bapo_cli.trainer.interrupt import ROLLOUT, GracefulStop, StepAbandoned
-from bapo_cli.trainer.run import Run
+from bapo_cli.staleness.worker import WorkerError
+from bapo_cli.tracking.backends import where_lines as tracking_where_lines
+from bapo_cli.trainer import distributed
+from bapo_cli.trainer.interrupt import IDLE, ROLLOUT, UPDATE, GracefulStop, StepAbandoned
+from bapo_cli.trainer.progress import print_summary, where_lines
+from bapo_cli.trainer.run import Run, TrainingError, TrainResult
 from bapo_cli.trainer.save_resume import save
 
-__all__ = ["abandon", "agree", "step_snapshot"]
+__all__ = ["StopProtocol", "abandon", "agree", "step_snapshot"]
+
+
+def say_on(console: Console):
+    """A line on the console (rank 0's), unwrapped and without markup."""
+    return lambda line: console.print(line, highlight=False, markup=False, soft_wrap=True)
+
+
+class StopProtocol:
+    """The stop protocol of one training run, as one context (module docstring). In order:
+    entered, a stop signal before anything is built stops at once (`interrupt.Stopped`);
+    `built(run)`: from here a stop ends the loop and still saves; `tracking(tracker)`: from here
+    leaving closes the run with its status; `stopped`: set when the loop ended on a stop."""
+
+    def __init__(self, cfg: TrainConfig, console: Console, resume_command: str | None) -> None:
+        self.signals = GracefulStop(say_on(console), grace_s=cfg.trainer.stop_grace_s)
+        self.cfg = cfg
+        self.console = console
+        self.resume_command = resume_command
+        self.run: Run | None = None
+        self.tracker: Any = None
+        self.stopped = False
+
+    def __enter__(self) -> StopProtocol:
+        self.signals.__enter__()
+        return self
+
+    def speak_to(self, console: Console) -> None:
+        """Say what it has to say on `console` (rank 0's; the others' are quiet)."""
+        self.console = console
+        self.signals.say = say_on(console)
+
+    def built(self, run: Run) -> None:
+        self.run = run
+        self.signals.phase = IDLE  # a stop now closes the run KILLED and says how to resume
+
+    def tracking(self, tracker: Any) -> Any:
+        self.tracker = tracker
+        return tracker
+
+    def __exit__(self, kind: Any, err: BaseException | None, trace: Any) -> bool:
+        try:
+            if self.run is None or self.tracker is None:  # nothing started that needs closing
+                return False
+            handled = self._close(err)
+            if handled:
+                self._summary()
+            return handled
+        finally:
+            self.signals.__exit__()
+
+    def _close(self, err: BaseException | None) -> bool:
+        """Close the run with the status `err` gives it (None: the loop ended); whether `err`
+        ends here (an abandoned step) rather than propagating."""
+        run, signals = self.run, self.signals
+        status, clean = "FAILED", False
+        try:
+            if err is None:
+                status, clean = ("KILLED" if self.stopped else "FINISHED"), True
+            elif isinstance(err, StepAbandoned):  # saved what could be (abandon), or nothing
+                status, clean, self.stopped = "KILLED", err.phase == ROLLOUT, True
+                if err.phase == UPDATE:
+                    newest = f"step {run.saved_step}" if run.saved_step else "none"
+                    signals.say(
+                        f"{signals.reason}: abandoning step {run.state.step + 1} during its "
+                        f"updates ({err.why}); nothing more saved (newest checkpoint: {newest})"
+                    )
+            elif isinstance(err, KeyboardInterrupt):  # a second Ctrl-C
+                status = "KILLED"
+            elif isinstance(err, WorkerError):
+                self._serving_stopped(err)
+            elif signals.requested:  # under torchrun: a rank that stopped ends the others'
+                status = "KILLED"
+        finally:
+            signals.phase = IDLE
+            close(run, self.tracker, status, clean=clean)
+        return err is None or isinstance(err, StepAbandoned)
+
+    def _serving_stopped(self, err: WorkerError) -> None:
+        """The generator cannot go on: one process saves its last step first when the error
+        asks for it (data-parallel ranks may meet the failure at different points, so no
+        collective: the last periodic checkpoint stands); a one-line TrainingError."""
+        run = self.run
+        first = getattr(err, "checkpoint_first", False) and run.ctx.world_size == 1
+        if first and run.state.step > 0:
+            save(run, self.tracker)
+            raise TrainingError(f"{err}; step {run.state.step} is saved: {run.last_ckpt}") from err
+        raise TrainingError(str(err)) from err
+
+    def _summary(self) -> None:
+        run, run_id = self.run, self.tracker.run_id
+        resume, title = None, "bapo train: summary"
+        if self.stopped:
+            resume = self.resume_command or (
+                f"rerun the same command with trainer.resume=true hydra.run.dir={run.run_dir}"
+            )
+            title += f" (stopped by {self.signals.reason} at step {run.state.step})"
+        settings = self.cfg.tracking
+        lines = where_lines(
+            run.run_dir,
+            settings.uri,
+            run_id,
+            resume=resume,
+            mlflow="mlflow" in settings.backends,
+            others=tracking_where_lines(settings, run_id, run.run_dir),
+        )
+        print_summary(self.console, run.state.history, lines, title=title)
+
+    def result(self) -> TrainResult:
+        run = self.run
+        return TrainResult(
+            run.run_dir,
+            self.tracker.run_id,
+            run.state.history,
+            run.last_ckpt,
+            run.updates,
+            run.batch,
+            interrupted=self.stopped,
+            exit_code=self.signals.exit_code if self.stopped else 0,
+        )
+
+
+def close(run: Run, tracker: Any, status: str, *, clean: bool) -> None:
+    """The samples file to MLflow, the run closed with `status`, engine, graders and process
+    group stopped (`clean`: every rank is past its last collective, so they leave together)."""
+    run.regime.close()  # first: an async generation worker must not outlive a failure below
+    samples_file = run.run_dir / "samples.jsonl"
+    if samples_file.exists() and run.ctx.is_main:
+        tracker.log_artifact(samples_file)
+    tracker.close(status)
+    run.engine.close()
+    run.prompts.close()
+    distributed.shutdown(run.ctx, clean=clean)
 
 
 def agree(run: Run, stop: GracefulStop, abandon: bool = False) -> tuple[bool, bool]:
