@@ -145,7 +145,8 @@ def _stamp(fake: FakeServer, query: dict[str, str], body: Any) -> Any:
 class FakeServer:
     """The fake server (module docstring); a context manager: `with FakeServer() as fake:`."""
 
-    def __init__(self) -> None:
+    def __init__(self, port: int = 0) -> None:
+        """`port`: 0 for any free one; a given one to bring up a server a pool found down."""
         self.version = "0"
         self.paused = False
         self.leases = LeaseTable()  # what `bapo serve`'s worker extension keeps
@@ -163,7 +164,7 @@ class FakeServer:
             "/reset_prefix_cache": lambda f, q, b: {"success": True},
             "/update_weight_version": _stamp,
         }
-        self.httpd = _Listener(("127.0.0.1", 0), _handler(self))
+        self.httpd = _Listener(("127.0.0.1", port), _handler(self))
         self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
         self._thread = threading.Thread(
             target=self.httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True

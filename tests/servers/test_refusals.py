@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from bapo_cli.config.preflight import PreflightError, preflight
-from bapo_cli.launch.plan import describe_generation
+from bapo_cli.staleness.source import sample_source
 from tests.conftest import run_bapo
 from tests.servers.conftest import free_port
 
@@ -122,6 +122,26 @@ URL = "http://127.0.0.1:9"  # a port nothing listens on (discard)
             [*ASYNC, "staleness.weights=disk"],
             "staleness.weights=disk: must be one of shm, filesystem, nccl",
         ),
+        (
+            [*ASYNC, f"rollout.servers=[{URL}]", "rollout.min_servers=0"],
+            "rollout.min_servers=0: must be >= 1 (or null)",
+        ),
+        (
+            [*ASYNC, f"rollout.servers=[{URL}]", "staleness.weights=filesystem"]
+            + ["rollout.min_servers=2"],
+            "rollout.min_servers=2: is more than the 1 rollout.servers listed",
+        ),
+        (
+            [*ASYNC, "rollout.min_servers=1"],
+            "rollout.min_servers=1: counts the servers of rollout.servers=[URL,...]: set them",
+        ),
+        (
+            [*ASYNC, "model.device=cuda", f"rollout.servers=[{URL},http://127.0.0.1:10]"]
+            + ["staleness.weights=nccl", "rollout.min_servers=1"],
+            "rollout.min_servers=1: staleness.weights=nccl needs every server at start (its group "
+            "has no place for one that joins later): drop rollout.min_servers, or use "
+            "staleness.weights=filesystem",
+        ),
     ],
 )
 def test_config_rules_are_one_line(overrides, line) -> None:
@@ -173,6 +193,12 @@ def test_eval_rules_are_one_line() -> None:
     with pytest.raises(PreflightError, match=r"^eval.temperature=2.5: vLLM \(rollout=vllm\)"):
         preflight("eval", ["rollout=vllm", "eval.temperature=2.5"])  # config only
     preflight("eval", [f"eval.server={URL}", "eval.temperature=2"])  # 2 itself is vLLM's own
+    with pytest.raises(PreflightError) as info:
+        preflight("eval", [f"eval.server={URL}", "rollout.min_servers=1"])
+    assert str(info.value) == (
+        "rollout.min_servers=1: counts a training run's rollout.servers; bapo eval scores "
+        "through one server (eval.server=URL): drop it"
+    )
 
 
 def _nothing_written(root: Path) -> bool:
@@ -185,8 +211,9 @@ def test_an_unreachable_server_is_refused_before_the_run_dir(_output_root: Path)
     res = run_bapo("train", *ASYNC, f"rollout.servers=[{url}]", "staleness.weights=filesystem")
     assert res.returncode == 2
     assert res.stderr == (
-        f"error: cannot reach the generation server {url} (connection refused); start one "
-        "there with `bapo serve --port PORT` or fix rollout.servers\n"
+        f"error: cannot reach the generation server {url} (connection refused): 0 of 1 answer, "
+        "fewer than 1 (rollout.min_servers=null: all for a new run); start one there with "
+        "`bapo serve --port PORT` or fix rollout.servers\n"
     )
     assert _nothing_written(_output_root)  # no run dir claimed
 
@@ -224,11 +251,11 @@ def test_eval_with_an_unreachable_server_is_refused(_output_root: Path) -> None:
 def test_the_plan_says_how_weights_reach_the_servers() -> None:
     base = [*ASYNC, "model.device=cuda", f"rollout.servers=[{URL}]"]
     cfg = preflight("train", [*base, "staleness.weights=filesystem"]).config
-    assert describe_generation(cfg) == (
+    assert sample_source(cfg).generation() == (
         f"1 vLLM server ({URL}), weights by file under <run dir>/weights"
     )
     cfg = preflight("train", [*base, "staleness.weights=nccl", "staleness.interrupt=true"]).config
-    assert describe_generation(cfg) == (
+    assert sample_source(cfg).generation() == (
         f"1 vLLM server ({URL}), weights by NCCL from the trainer's GPU (group at "
         "127.0.0.1:29555); a push pauses responses mid-way (interrupt)"
     )

@@ -140,6 +140,7 @@ def check_train(cfg: Any) -> None:
             cfg.staleness.probe_tolerance,
             "checks the weight pushes to generation servers: needs rollout.servers=[URL,...]",
         )
+    _check_min_servers(cfg.rollout.min_servers, servers, weights)
     if servers:
         why = ("rollout.servers", "generate in this process (drop rollout.servers)")
         check_vllm_temperature("rollout.temperature", cfg.rollout.temperature, *why)
@@ -165,6 +166,24 @@ def check_train(cfg: Any) -> None:
         )
 
 
+def _check_min_servers(least: int | None, servers: list[str], weights: str) -> None:
+    """rollout.min_servers counts the servers listed; NCCL weights need every one of them."""
+    if least is None:
+        return
+    key = "rollout.min_servers"
+    if not servers:
+        raise ConfigError(key, least, "counts the servers of rollout.servers=[URL,...]: set them")
+    if least > len(servers):
+        raise ConfigError(key, least, f"is more than the {len(servers)} rollout.servers listed")
+    if weights == "nccl" and least < len(servers):
+        raise ConfigError(
+            key,
+            least,
+            "staleness.weights=nccl needs every server at start (its group has no place for one "
+            "that joins later): drop rollout.min_servers, or use staleness.weights=filesystem",
+        )
+
+
 def check_vllm_temperature(key: str, temperature: float, vllm: str, instead: str) -> None:
     """vLLM samples at temperatures 0-2 only: above, one line before any engine or server starts
     (`vllm` names what brings vLLM in, `instead` the way around it)."""
@@ -184,6 +203,13 @@ def check_eval(cfg: Any) -> None:
             "rollout.servers",
             list(cfg.rollout.servers),
             "bapo eval scores through one server: eval.server=URL",
+        )
+    if cfg.rollout.min_servers is not None:
+        raise ConfigError(
+            "rollout.min_servers",
+            cfg.rollout.min_servers,
+            "counts a training run's rollout.servers; bapo eval scores through one server "
+            "(eval.server=URL): drop it",
         )
     if cfg.eval.server is not None:
         check_url("eval.server", cfg.eval.server)

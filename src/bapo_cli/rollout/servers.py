@@ -25,6 +25,8 @@ docs/engines.md#async-rl-on-generation-servers.
 - Start-up (`check`): each server answers, serves the run's model (`rollout.identity`) in a
   window that holds the run's, has the generate route, is not left paused (eval), and, with an
   `owner`, is claimed for the run (`rollout.claims`) until `close`. Each refusal is one line.
+  Given a `rollout.quorum.Quorum`, a server that does not answer is no refusal while enough do:
+  it starts down and is revived like one that went down.
 """
 
 from __future__ import annotations
@@ -41,21 +43,27 @@ from typing import Any
 
 import torch
 
-from bapo_cli.rollout import identity, server_auth, weights_fs
+from bapo_cli.rollout import identity, weights_fs
 from bapo_cli.rollout.base import Request, SamplingParams
 from bapo_cli.rollout.claims import Claims, Owner, check_reload
 from bapo_cli.rollout.identity import ModelIdentity, model_identity
 from bapo_cli.rollout.lease import LEASE_S, LeaseLost, LeaseRefused
-from bapo_cli.rollout.serve import EXTENSION
+from bapo_cli.rollout.quorum import Quorum
 from bapo_cli.rollout.server_answers import (
     Aborted,
     ServedGeneration,
     first_choice,
     generate_body,
-    model_info,
     served,
     short,
     token_versions,
+)
+from bapo_cli.rollout.server_check import (
+    GENERATE,
+    ServerDown,
+    ServerTaken,
+    check_server,
+    refuse_paused,
 )
 from bapo_cli.rollout.server_http import (
     CHECK_TIMEOUT_S,
@@ -80,13 +88,13 @@ __all__ = [  # rollout.servers is where the rest of the project finds these
     "ServedGeneration",
     "ServerError",
     "ServerFault",
+    "ServerTaken",
     "Unreachable",
     "call",
     "model_identity",
     "validate_url",
 ]
 
-GENERATE = "/inference/v1/generate"
 REQUEST_TIMEOUT_S = 600.0  # one response, all told (a healthy server's longest)
 PUSH_TIMEOUT_S = 600.0  # a reload of a large model from a network filesystem
 CLOSE_TIMEOUT_S = 2.0  # close(): each abort/resume call; a run's stop must not wait on a server
@@ -99,12 +107,12 @@ class NoServerLeft(ServerError):
     """Every server of the pool is down."""
 
 
+class TooFewServers(ServerError):
+    """Fewer servers answer at start than the run's quorum (`rollout.min_servers`)."""
+
+
 class PoolClosed(ServerError):
     """`close()` was called while requests were waiting: their answers are not wanted."""
-
-
-class ServerTaken(ServerError):
-    """Another run holds a server (or held it since this run's last renewal); one line."""
 
 
 class PushMissed(ServerError):
@@ -186,84 +194,56 @@ class ServerPool:
 
     # ------------------------------------------------------------------------------ start-up
 
-    def start(self, version: int, directory: Path | None = None) -> None:
-        """Check every server (`check`), then label the weights they hold `version`: the run's
-        start weights (directory None: what the servers loaded at their start) or the version
-        written in `directory` (a resumed run), loaded first."""
-        self.check()
+    def start(
+        self, version: int, directory: Path | None = None, quorum: Quorum | None = None
+    ) -> list[Server]:
+        """Check every server (`check`), then label the weights the live ones hold `version`:
+        the run's start weights (directory None: what the servers loaded at their start) or the
+        version written in `directory` (a resumed run), loaded first. The servers left down."""
+        down = self.check(quorum)
         self.push(directory, version, interrupt=False)
+        return down
 
-    def check(self) -> None:
+    def check(self, quorum: Quorum | None = None) -> list[Server]:
         """Every server answers and serves the run's model (and, with an owner, is claimed; the
-        claims are renewed from then on); ServerError (one line) otherwise."""
+        claims are renewed from then on); ServerError (one line) otherwise. With a `quorum`, a
+        server that does not answer (`ServerDown`) starts down while at least `quorum.need`
+        answer (TooFewServers otherwise); the servers left down are returned."""
+        down: list[tuple[Server, str]] = []
         for server in self.servers:
-            self._check_one(server)
-            if self.wait_paused_s is not None:
-                self._refuse_paused(server, self.wait_paused_s)
+            try:
+                self._check_one(server)
+                if self.wait_paused_s is not None:
+                    refuse_paused(server.url, self.wait_paused_s, self.check_timeout_s)
+            except ServerDown as exc:
+                if quorum is None:
+                    raise
+                down.append((server, exc.why))
+                continue
             server.alive = True
+        if quorum is not None:
+            line = quorum.short([(s.url, why) for s, why in down])
+            if line is not None:
+                raise TooFewServers(line)
+        for server, why in down:  # asked again as a server that went down is (`revive`)
+            server.last_error = why
+            server.next_probe = time.monotonic() + self.revive_s
+            self.events.append(f"down {server.url} at start: {why}")
         if self.claims is not None:
             self.claims.start(lambda: [s.url for s in self.servers if s.alive])
+        return [s for s, _ in down]
 
     def _check_one(self, server: Server) -> None:
-        url = server.url
-
-        def ask(method: str, path: str, body: Any = None) -> Any:
-            try:
-                return call(url, method, path, body, self.check_timeout_s)
-            except (Unreachable, ServerFault) as exc:
-                raise ServerError(
-                    f"the generation server {url} failed its check at {method} {path} ({exc}); "
-                    "restart it with `bapo serve` or drop it from rollout.servers"
-                ) from None
-
-        try:
-            call(url, "GET", "/health", None, self.check_timeout_s)
-        except (Unreachable, ServerFault, HTTPStatus) as exc:
-            raise ServerError(
-                f"cannot reach the generation server {url} ({exc}); start one there with "
-                "`bapo serve --port PORT` or fix rollout.servers"
-            ) from None
-        try:
-            info = model_info(url, ask("POST", "/collective_rpc", {"method": "bapo_model_info"}))
-        except HTTPStatus as exc:
-            if exc.status == 401:
-                raise ServerError(server_auth.refused(url)) from None
-            raise ServerError(
-                f"the server {url} cannot describe its model (HTTP {exc.status} from "
-                "/collective_rpc); start it with `bapo serve`, or run vLLM with "
-                f"VLLM_SERVER_DEV_MODE=1 and --worker-extension-cls {EXTENSION}"
-            ) from None
-        wrong = identity.mismatch(url, info, self.expect)
-        if wrong is not None:
-            raise ServerError(wrong)
+        """One server's start-up check (`server_check.check_server`); its model info kept."""
+        info = check_server(
+            server.url,
+            expect=self.expect,
+            max_model_len=self.max_model_len,
+            claims=self.claims,
+            timeout_s=self.check_timeout_s,
+        )
         server.info = info
         server.vocab_size = int(info["vocab_size"])
-        if self.max_model_len is not None:
-            window = _served_window(ask)
-            if window is not None and window < self.max_model_len:
-                raise ServerError(
-                    f"the server {url} holds {window} tokens per sequence, less than the run's "
-                    f"model.max_model_len={self.max_model_len}; restart it with "
-                    f"--max-model-len {self.max_model_len} or lower the run's"
-                )
-        try:  # an empty body: 400/422 when the route is on, 403 (or 404) when it is off
-            ask("POST", GENERATE, {})
-        except HTTPStatus as exc:
-            if exc.status in (403, 404):
-                raise ServerError(
-                    f"the server {url} does not offer {GENERATE} (HTTP {exc.status}); start it "
-                    "with `bapo serve`, or run vLLM with --enable-scale-out"
-                ) from None
-        if self.claims is not None:
-            try:
-                answered = self.claims.claim(url)
-            except LeaseRefused as exc:
-                raise ServerTaken(str(exc)) from None
-            if not answered:
-                raise ServerError(
-                    f"the server {url} cannot be claimed for this run (no answer to bapo_claim); "
-                    "restart it with this bapo-cli's `bapo serve`"
-                )
 
     def rpc(self, url: str, method: str, args: list[str]) -> list[dict[str, Any]] | None:
         """Every worker's answer to one extension method (`rollout.claims`' rpc), None when the
@@ -285,28 +265,6 @@ class ServerPool:
         lost = self.claims.renew([s.url for s in self.servers if s.alive])
         if lost is not None:
             raise ServerTaken(lost)
-
-    def _refuse_paused(self, server: Server, wait_s: float) -> None:
-        """ServerError if the server stays paused for `wait_s` (a push takes seconds): what it is
-        asked would wait for a resume that may never come (a trainer killed mid-push). Refused,
-        not resumed: a live run may be pushing to it, and a resume mid-reload would let its
-        requests run on half-loaded weights. A server without the dev routes cannot be asked."""
-        deadline = time.monotonic() + wait_s
-        while True:
-            try:
-                answer = call(server.url, "GET", "/is_paused", None, self.check_timeout_s)
-            except HTTPStatus:
-                return
-            if not (isinstance(answer, dict) and answer.get("is_paused") is True):
-                return
-            if time.monotonic() >= deadline:
-                raise ServerError(
-                    f"the generation server {server.url} is paused and stayed paused for "
-                    f"{wait_s:g} s (a weight push that never finished: its trainer stopped "
-                    "mid-push?), so it would answer nothing; if no run uses it, resume it with "
-                    f"`curl -X POST {server.url}/resume` and run again"
-                )
-            time.sleep(min(POLL_S * 5, wait_s))
 
     # ---------------------------------------------------------------------------- generation
 
@@ -448,16 +406,21 @@ class ServerPool:
 
     def revive(self, server: Server) -> bool:
         """A down server that answers again: checked (same model), given the newest weights,
-        then used. False while it is still down."""
+        then used. False while it is still down. Its health is asked outside the lock, so a
+        server that does not answer holds up no push."""
+        try:
+            call(server.url, "GET", "/health", None, self.check_timeout_s)
+        except ServerError:
+            return False  # still down: `last_error` keeps why it went down
         with self.lock:
             try:
                 self._check_one(server)
                 self._load_revived(server)
-            except ServerTaken as exc:  # back, but another run holds it now
+            except (ServerDown, Unreachable):
+                return False
+            except ServerError as exc:  # back, but refused: another run holds it, another model
                 server.last_error = str(exc)
                 return False
-            except ServerError:
-                return False  # still down: `last_error` keeps why it went down
             server.alive = True
         self.events.append(f"back {server.url} at version {self.version}")
         return True
@@ -617,14 +580,3 @@ def _abort(url: str) -> None:
     with contextlib.suppress(ServerError):
         call(url, "POST", "/pause?mode=abort", None, CLOSE_TIMEOUT_S)
         call(url, "POST", "/resume", None, CLOSE_TIMEOUT_S)
-
-
-def _served_window(ask: Any) -> int | None:
-    """The served model's context window (`/v1/models`), or None if it does not say."""
-    try:
-        window = ask("GET", "/v1/models")["data"][0]["max_model_len"]
-    except (HTTPStatus, KeyError, IndexError, TypeError):
-        return None
-    if isinstance(window, int) and not isinstance(window, bool) and window > 0:
-        return window
-    return None

@@ -50,6 +50,7 @@ from typing import Any
 
 import torch
 
+from bapo_cli.rollout.quorum import Quorum
 from bapo_cli.rollout.servers import (
     CHECK_TIMEOUT_S,
     PUSH_TIMEOUT_S,
@@ -238,14 +239,16 @@ class NcclPool(ServerPool):
 
     # ------------------------------------------------------------------------ the pool's part
 
-    def start(self, version: int, directory: Path | None = None) -> None:
-        """Check every server, open the group, prove it with the canary, then send the staged
-        weights (`stage` first: the run's start weights) as `version`. Three pushes: the
-        servers' own weights labelled (vLLM stamps 'default' until told a version), the canary,
-        the real weights."""
+    def start(
+        self, version: int, directory: Path | None = None, quorum: Quorum | None = None
+    ) -> list[Server]:
+        """Check every server (the run's `quorum` is all of them: the group cannot take one in
+        later), open the group, prove it with the canary, then send the staged weights (`stage`
+        first: the run's start weights) as `version`. Three pushes: the servers' own weights
+        labelled (vLLM stamps 'default' until told a version), the canary, the real weights."""
         if self.snapshot is None or not self.snapshot.names or not self.probe_ids:
             raise RuntimeError("NcclPool.start needs staged weights and probe_ids")
-        self.check()
+        self.check(quorum)
         self.open_group()
         real, self.snapshot = self.snapshot, None
         self.push(None, version, interrupt=False)  # the servers' own weights, labelled
@@ -262,6 +265,7 @@ class NcclPool(ServerPool):
                 )
         self.snapshot = real
         self.push(None, version, interrupt=False)
+        return []
 
     def stage(self, named: Iterable[tuple[str, torch.Tensor]], version: int) -> None:  # noqa: ARG002
         """The version to send next, copied to the trainer's device (the trainer may step again

@@ -204,9 +204,11 @@ class Regime:
     # A regime that generates outside the training loop (async) starts, feeds and stops its
     # generator through these three; the others generate inside `next_batch` and need none.
 
-    def start(self, model: Any, version: int, run_dir: Any = None, group: Any = None) -> None:
+    def start(self, model: Any, version: int, run_dir: Any = None, group: Any = None) -> list[str]:
         """Before the first step (after any resume): `model` holds the weights of `version`;
-        `group`: the trainer's DistContext (data-parallel ranks)."""
+        `group`: the trainer's DistContext (data-parallel ranks). Returns warnings for the
+        trainer to show (generation servers that did not answer)."""
+        return []
 
     def publish(self, model: Any, version: int) -> None:
         """After each step's updates: the trainer's weights are now `version`."""
@@ -463,13 +465,13 @@ class AsyncRL(Regime):
                 "docs/engines.md), or model.device=cpu",
             )
 
-    def start(self, model: Any, version: int, run_dir: Any = None, group: Any = None) -> None:
+    def start(self, model: Any, version: int, run_dir: Any = None, group: Any = None) -> list[str]:
         if isinstance(self.generator, ServerSettings):  # this process keeps its threads
             self.worker = ServerWorker.for_run(
                 self.generator, model, version, self.collector, run_dir, group=group
             )
             self._admit()
-            return
+            return list(self.worker.notes)
         first = next(model.parameters())
         if first.device.type != "cpu":
             raise WorkerError(
@@ -481,6 +483,7 @@ class AsyncRL(Regime):
         torch.set_num_threads(threads)
         self.worker = GenerationWorker(replace(self.generator, threads=threads), model, version)
         self._admit()
+        return []
 
     def _admit(self) -> None:
         """Submit whole units while the admission rule allows (first any to generate again)."""

@@ -84,6 +84,7 @@ from bapo_cli.rollout.base import Sample, eos_ids
 from bapo_cli.rollout.claims import Owner
 from bapo_cli.rollout.collect import Collector
 from bapo_cli.rollout.pools import pool_for
+from bapo_cli.rollout.quorum import Quorum
 from bapo_cli.rollout.server_engine import ServerEngine
 from bapo_cli.rollout.servers import (
     NoServerLeft,
@@ -139,6 +140,7 @@ class ServerSettings:
     stall_s: float
     interrupt: bool
     probe_tolerance: float | None  # None: chosen from the dtypes at the first push
+    quorum: Quorum  # how many must answer at start (rollout.min_servers)
 
     @classmethod
     def of(cls, cfg: Any) -> ServerSettings | None:
@@ -155,6 +157,12 @@ class ServerSettings:
             stall_s=float(cfg.rollout.server_stall_s),
             interrupt=bool(staleness.interrupt),
             probe_tolerance=staleness.probe_tolerance,
+            quorum=Quorum.of(
+                cfg.rollout.min_servers,
+                len(cfg.rollout.servers),
+                resume=bool(cfg.trainer.resume),
+                every=staleness.weights == "nccl",
+            ),
         )
 
     def describe(self) -> str:
@@ -164,10 +172,11 @@ class ServerSettings:
         else:
             weights = f"weights by file under {self.weights_dir or '<run dir>/weights'}"
         pause = "; a push pauses responses mid-way (interrupt)" if self.interrupt else ""
+        quorum = self.quorum.describe()
         count = len(self.urls)
         return (
-            f"{count} vLLM server{'s' if count > 1 else ''} ({', '.join(self.urls)}), "
-            f"{weights}{pause}"
+            f"{count} vLLM server{'s' if count > 1 else ''} ({', '.join(self.urls)}"
+            f"{'; ' + quorum if quorum else ''}), {weights}{pause}"
         )
 
 
@@ -244,21 +253,22 @@ def make_pool(
 
 def preflight(cfg: Any) -> None:
     """What the CLI asks before the run dir is claimed (no weights loaded): the weights directory
-    can be written, every server answers, serves the run's model and is held by no other run (a
-    look, no claim: the run claims its servers when it starts; a resumed run may find its own
-    killed process holding them, which it takes over then). `ServerError` or
-    `weights_fs.WeightsDirError`, one line each; nothing for a run without servers."""
+    can be written, enough servers answer (`rollout.min_servers`), every one that does serves the
+    run's model and is held by no other run (a look, no claim: the run claims its servers when it
+    starts; a resumed run may find its own killed process holding them, which it takes over
+    then). `ServerError` or `weights_fs.WeightsDirError`, one line each; nothing for a run
+    without servers. The servers that do not answer are warned of when the run starts."""
     settings = ServerSettings.of(cfg)
     if settings is None:
         return
     if settings.weights_dir is not None:
         weights_fs.check_writable(Path(settings.weights_dir).expanduser())
     pool = make_pool(settings)
-    pool.check()
+    pool.check(settings.quorum)
     if cfg.trainer.resume:
         return
     hint = Owner("", "train").refused_hint()
-    for server in pool.servers:
+    for server in (s for s in pool.servers if s.alive):
         state = pool.rpc(server.url, "bapo_leases", [])
         holders = state[0].get("holders", []) if state else []
         if holders:
@@ -304,6 +314,8 @@ class ServerWorker:
         self.seed = collector.params.seed or 0
         self.probe = probe_ids(collector.tokenizer, int(settings.model.max_model_len))
         self.probe_tolerance = settings.probe_tolerance  # None: chosen in _start
+        self.quorum = settings.quorum
+        self.notes: list[str] = []  # warnings for the trainer to show (servers left down)
         self.engine = ServerEngine(
             pool, eos_ids(model, collector.tokenizer), interrupt=self.interrupt
         )
@@ -376,7 +388,7 @@ class ServerWorker:
         run wrote after that point are removed first. Data-parallel: rank 0 does this, the
         other ranks check the servers and wait for it (`_share`)."""
         if not self.leader:
-            self.pool.check()
+            self.pool.check(self.quorum)
             self._share(model, version)
             return
         weights_fs.remove(self.root, [v for v in weights_fs.versions(self.root) if v >= version])
@@ -387,7 +399,10 @@ class ServerWorker:
             directory = self._write(model, version)
         except OSError as exc:
             raise WorkerError(self._write_error(exc, version)) from None
-        self.pool.start(version, directory)
+        down = self.pool.start(version, directory, self.quorum)
+        warning = self.quorum.warning([(s.url, s.last_error) for s in down])
+        if warning is not None:
+            self.notes.append(warning)
         served = [s.info.get("dtype") for s in self.pool.servers if s.info]
         dtypes = [str(next(model.parameters()).dtype), *[d for d in served if d]]
         self.probe_tolerance = probe.tolerance(self.probe_tolerance, dtypes)

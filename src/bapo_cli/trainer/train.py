@@ -112,7 +112,9 @@ def _begin(run: Run, tracker: Any, stop: GracefulStop) -> None:
     elsewhere = run.regime.generates_elsewhere
     stop.phase = ROLLOUT
     with run.ctx.gathered(run.scorer) if elsewhere else contextlib.nullcontext():
-        run.regime.start(run.model, run.state.version, run_dir=run.run_dir, group=run.ctx)
+        notes = run.regime.start(run.model, run.state.version, run_dir=run.run_dir, group=run.ctx)
+    for line in notes:  # generation servers that did not answer: the run goes on without them
+        run.console.print(f"[yellow]warning: {line}[/yellow]", soft_wrap=True)
     stop.phase = IDLE
 
 

@@ -36,6 +36,12 @@ class RolloutConfig:
         "staleness.regime=async: URLs of running vLLM generation servers (bapo serve) that "
         "generate instead of a worker process, e.g. [http://127.0.0.1:8001]; [] = none",
     )
+    min_servers: int | None = opt(
+        None,
+        "rollout.servers: how many must answer (and serve the run's model) for the run to start; "
+        "the others are warned of, then taken in when they answer; null = all for a new run, 1 "
+        "for a resume (trainer.resume=true), docs/engines.md",
+    )
     server_stall_s: float = opt(
         30.0,
         "rollout.servers, eval.server: a server holding requests that does not answer GET "
@@ -97,6 +103,8 @@ class RolloutConfig:
             )
         _positive("tensor_parallel_size", self.tensor_parallel_size)
         _positive("server_stall_s", self.server_stall_s, allow_zero=True)
+        if self.min_servers is not None and self.min_servers < 1:
+            raise ConfigError("min_servers", self.min_servers, "must be >= 1 (or null)")
         if self.tis_cap is not None and not self.tis_cap >= 1.0:
             raise ConfigError("tis_cap", self.tis_cap, "must be >= 1 (or null to disable)")
         _one_of("tis_level", self.tis_level, TIS_LEVELS)
