@@ -37,6 +37,9 @@ def test_the_gpu_form_runs_one_torchrun_per_node_with_c10d_and_continues_one_run
         "model.device=cuda",  # --gpus-per-node defaults to --nproc
         "algo=bapo",
         "trainer.lr=1e-6",
+        # 32 ranks x staleness 4's mini-batches: a step's prompts must split into 128 parts
+        # (refused before the script is written otherwise)
+        "trainer.prompts_per_step=128",
         "trainer.stop_grace_s=100",
         "tracking.run_name=a b",  # quoted for the shell
         cwd=tmp_path,
@@ -66,6 +69,7 @@ def test_the_gpu_form_runs_one_torchrun_per_node_with_c10d_and_continues_one_run
         '  --rdzv-endpoint="$head:29500" \\',
         '  --rdzv-id="$SLURM_JOB_ID" \\',
         "  -m bapo_cli train model.device=cuda algo=bapo trainer.lr=1e-6 "
+        "trainer.prompts_per_step=128 "
         f"trainer.stop_grace_s=100 'tracking.run_name=a b' {root} trainer.resume=true "
         f"hydra.run.dir={run_dir} &",
         "trap 'warned=1; kill -USR1 \"$srun_pid\" 2>/dev/null' USR1",
