@@ -404,14 +404,19 @@ def test_a_server_killed_mid_run_then_none_left(fleet, tmp_path) -> None:
     _, err = trainer.communicate(timeout=120)
     assert trainer.returncode == 1, err[-3000:]
     line = err.strip().splitlines()[-1]
+    # the usual end is "every server is down"; a vLLM server killed mid-answer may first send
+    # `{}` (seen once in CI beside the first pass): the run then stops on that answer, nothing
+    # of it trained, with the same checkpoint and resume line
     m = re.fullmatch(
-        r"error: every generation server is down \((.*)\); restart them and resume "
-        r"\(trainer\.resume=true\); step (\d+) is saved: (\S+)",
+        r"error: (?:every generation server is down \((.*)\); restart them and resume "
+        r"|http://127\.0\.0\.1:\d+ answered the generate route without a choice: \{\}; "
+        r"nothing of it was trained: fix or replace that server, then resume )"
+        r"\(trainer\.resume=true\); step (?P<step>\d+) is saved: (?P<dir>\S+)",
         line,
     )
     assert m, line
-    step = int(m.group(2))
-    assert Path(m.group(3)) == checkpoint.step_dir(run_dir / "checkpoints", step)
+    step = int(m.group("step"))
+    assert Path(m.group("dir")) == checkpoint.step_dir(run_dir / "checkpoints", step)
     assert checkpoint.latest_usable(run_dir / "checkpoints", print)[1]["state"]["step"] == step
     assert step >= at_kill + 3
     assert_each_group_once(records(run_dir), step, prompts, n)
