@@ -52,8 +52,8 @@ study_v3 = replicate.study_v3
 report = study_v3.report
 
 EXPERIMENT = "paper45"
-LR = 6e-4
-ARMS = ("reuse8", "lag8")
+LR = stress2.LR  # 6e-4
+ARMS = stress2.ARMS  # the same two stale arms
 CONFIGURATIONS = (
     *("grpo", "dapo", "topr", "dcpo", "bapo0.4", "bapo0.5"),  # Q1
     *("vespo", "luspo", "grpo+recompute", "grpo+recompute+kpop"),  # Q2
@@ -122,16 +122,7 @@ def load_setting(source: str, experiment: str = EXPERIMENT) -> list[study_v3.Run
 def pick(runs: list[study_v3.Run], seeds: set[int] | None) -> list[study_v3.Run]:
     """The design's runs (both arms at lr 6e-4, the chosen seeds); a configuration outside the
     design's 13 is refused (ValueError): it belongs to no family."""
-    picked = [
-        r for r in runs if r.arm in ARMS and r.lr == LR and (seeds is None or r.seed in seeds)
-    ]
-    stray = sorted({r.algo for r in picked} - set(CONFIGURATIONS))
-    if stray:
-        raise ValueError(
-            f"configuration(s) {', '.join(stray)} are not among the design's 13 "
-            f"({', '.join(CONFIGURATIONS)})"
-        )
-    return picked
+    return stress2.pick(runs, LR, seeds, CONFIGURATIONS)
 
 
 def verdicts(

@@ -129,17 +129,23 @@ def load_setting(source: str, experiment: str = EXPERIMENT) -> list[study_v3.Run
     return replicate.load_setting(source, lambda uri: load(uri, experiment), CSV_KEYS)
 
 
-def pick(runs: list[study_v3.Run], lr: float, seeds: set[int] | None) -> list[study_v3.Run]:
+def pick(
+    runs: list[study_v3.Run],
+    lr: float,
+    seeds: set[int] | None,
+    configurations: tuple[str, ...] = CONFIGURATIONS,
+) -> list[study_v3.Run]:
     """The design's runs: both arms at `lr` (and the chosen seeds); a configuration outside the
-    design's 21 is refused (ValueError), since it would not belong to the Holm family."""
+    design's `configurations` is refused (ValueError), since it would not belong to its Holm
+    family (scripts/paper45.py passes its own 13)."""
     picked = [
         r for r in runs if r.arm in ARMS and r.lr == lr and (seeds is None or r.seed in seeds)
     ]
-    stray = sorted({r.algo for r in picked} - set(CONFIGURATIONS))
+    stray = sorted({r.algo for r in picked} - set(configurations))
     if stray:
         raise ValueError(
-            f"configuration(s) {', '.join(stray)} are not among the design's 21 "
-            f"({', '.join(CONFIGURATIONS)})"
+            f"configuration(s) {', '.join(stray)} are not among the design's "
+            f"{len(configurations)} ({', '.join(configurations)})"
         )
     return picked
 
