@@ -207,7 +207,10 @@ def serve(
     weights: str = typer.Option(
         "filesystem",
         "--weights",
-        help="How the trainer's weights arrive (its staleness.weights): filesystem | nccl (GPU).",
+        help=(
+            "How the trainer's weights arrive (its staleness.weights): filesystem | nccl (GPU) "
+            "| gloo (vLLM's weight transfer over gloo; also takes filesystem pushes)."
+        ),
     ),
 ) -> None:
     """Start a vLLM generation server for the run's model (rollout.servers=[URL]); prints its URL.

@@ -33,6 +33,9 @@ from bapo_cli.rollout import serve
 START_TIMEOUT_S = 900.0  # two servers at once on 2 busy cores
 # the servers' model: the default run's (the shipped tiny Qwen2), with room for long responses
 SERVE_OVERRIDES = ["model.max_model_len=256"]
+# vLLM's weight-transfer routes with the gloo engine, beside the filesystem pushes every server
+# takes: one fleet serves the tests of both transports
+SERVE_FLAGS = ["--weights", "gloo"]
 READY = re.compile(r"ready at (http://\S+) \((\d+) s\)")
 
 
@@ -68,7 +71,7 @@ class Fleet:
     def start(self, i: int) -> None:
         assert self.procs[i] is None or self.procs[i].poll() is not None
         cmd = [sys.executable, "-m", "bapo_cli", "serve", *SERVE_OVERRIDES]
-        cmd += ["--port", str(self.ports[i])]
+        cmd += ["--port", str(self.ports[i]), *SERVE_FLAGS]
         with open(self.logs[i], "ab") as log:
             self.procs[i] = subprocess.Popen(
                 cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True

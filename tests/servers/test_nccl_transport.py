@@ -1,4 +1,4 @@
-"""The NCCL weight transport (`rollout.weights_nccl`), as far as it runs without a GPU.
+"""The NCCL weight transport (`rollout.weights_transfer`), as far as it runs without a GPU.
 
 The byte-moving half (vLLM's NCCL broadcast) needs CUDA on both sides and has never run here; its
 name and shape are checked against vLLM 0.32's own classes (the update info, the worker init
@@ -26,13 +26,11 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from bapo_cli.models import loading as models
-from bapo_cli.rollout import weights_fs
 from bapo_cli.rollout.identity import model_identity
-from bapo_cli.rollout.servers import NoServerLeft, call
-from bapo_cli.rollout.weights_nccl import (
+from bapo_cli.rollout.weights_transfer import (
     FanOutClient,
-    NcclPool,
     NothingMoved,
+    TransferPool,
     _LiveSource,
     _Snapshot,
     moved_nothing,
@@ -167,7 +165,7 @@ def test_what_is_sent_is_what_vllm_0_32_parses() -> None:
     assert [p.rank_offset for p in parsed] == [1, 3] and {p.world_size for p in parsed} == {4}
 
     class Holder:
-        snapshot = snap
+        sending = snap
 
     source = _LiveSource(Holder, ModuleSource)
     meta = source.metadata()
@@ -178,42 +176,20 @@ def test_what_is_sent_is_what_vllm_0_32_parses() -> None:
 # --------------------------------------------------------------- against the real servers
 
 
-class SilentSend(NcclPool):
+class SilentSend(TransferPool):
     """vLLM's NCCL path off CUDA: every call answers, nothing arrives."""
 
-    def open_group(self) -> None:
+    def open_group(self, servers) -> None:
         self.opened = True
 
-    def send(self) -> None:
+    def send(self, snapshot) -> None:
         return None
 
 
-class FileSend(NcclPool):
-    """The staged tensors moved by the filesystem transport's reload, into each paused server."""
-
-    root: Path
-
-    def open_group(self) -> None:
-        self.sends = 0
-
-    def send(self) -> None:
-        self.sends += 1
-        directory = weights_fs.write_version(
-            self.snapshot.named_parameters(), self.root, self.sends
-        )
-        for server in self.servers:
-            call(
-                server.url,
-                "POST",
-                "/collective_rpc",
-                {"method": "bapo_reload", "args": [str(directory), str(self.sends)]},
-                600,
-            )
-
-
-def _pool(cls, fleet, model, root: Path):
+def _pool(cls, fleet, model, root: Path, transport: str = "nccl"):
     pool = cls(
         fleet.urls,
+        transport=transport,
         device="cpu",
         expect=model_identity(fleet.model_dir),
         max_model_len=fleet.cfg.model.max_model_len,
@@ -243,32 +219,51 @@ def test_a_push_that_moves_nothing_is_stopped_at_start_in_one_line(fleet, tmp_pa
 
 @pytest.mark.vllm
 @pytest.mark.slow
-def test_the_pool_leaves_every_server_on_the_trainers_weights(fleet, tmp_path) -> None:
+def test_the_gloo_pool_moves_the_weights_and_reforms_its_group(fleet, tmp_path) -> None:
+    """The same pool with real bytes: vLLM's weight-transfer routes and trainer engine, bapo-cli's
+    gloo engine in both servers (`bapo serve --weights gloo`). Every server equals the trainer
+    after the start (canary, then the real weights) and after a step; a server marked down is
+    left out of a new group (the push reaches the other), and when it comes back it joins a new
+    group with the other and is sent the version they hold before it is used."""
     fleet.ensure_all()
     model = _model(fleet)
     perturb(model, seed=11)  # not the weights the servers started with
-    pool = _pool(FileSend, fleet, model, tmp_path)
-    pool.start(3)
-    assert pool.sends == 2  # the canary, then the real weights (the first push only labels)
-    want = trainer_logprobs(model, PROBE)
-    for held, lps in pool.probe(PROBE).values():
-        assert held == 3
-        assert (torch.tensor(lps) - want).abs().max().item() <= LOGPROB_TOL
+    pool = _pool(TransferPool, fleet, model, tmp_path, transport="gloo")
+    try:
+        pool.start(3)
+        assert pool.members == fleet.urls
+        want = trainer_logprobs(model, PROBE)
+        for held, lps in pool.probe(PROBE).values():
+            assert held == 3
+            assert (torch.tensor(lps) - want).abs().max().item() <= LOGPROB_TOL
 
-    perturb(model, seed=12)  # a step: staged, then pushed as version 4
-    pool.stage(model.named_parameters(), 4)
-    pool.push(None, 4, interrupt=False)
-    want = trainer_logprobs(model, PROBE)
-    for held, lps in pool.probe(PROBE).values():
-        assert held == 4
-        assert (torch.tensor(lps) - want).abs().max().item() <= LOGPROB_TOL
+        perturb(model, seed=12)  # a step: staged, then pushed as version 4
+        pool.stage(model.named_parameters(), 4)
+        pool.push(None, 4, interrupt=False)
+        want4 = trainer_logprobs(model, PROBE)
+        for held, lps in pool.probe(PROBE).values():
+            assert held == 4
+            assert (torch.tensor(lps) - want4).abs().max().item() <= LOGPROB_TOL
 
-    # a member lost: no push to the others (a broadcast would hang), and no way back in the run
-    pool.servers[1].alive = False
-    pool.servers[1].last_error = "connection refused"
-    assert pool.revive(pool.servers[1]) is False
-    with pytest.raises(NoServerLeft, match=r"^a generation server went down and "):
+        # server 1 lost: version 5 goes to server 0 alone, in a group re-formed without it
+        pool.servers[1].alive = False
+        perturb(model, seed=13)
+        pool.stage(model.named_parameters(), 5)
         pool.push(None, 5, interrupt=False)
+        assert pool.members == [fleet.urls[0]]
+        want5 = trainer_logprobs(model, PROBE)
+        ((held, lps),) = pool.probe(PROBE).values()
+        assert held == 5 and (torch.tensor(lps) - want5).abs().max().item() <= LOGPROB_TOL
+        assert pool.servers[1].version == 4  # it missed version 5
+
+        # it comes back: a new group of both, version 5 sent to both, then it is used
+        assert pool.revive(pool.servers[1]) is True
+        assert pool.members == fleet.urls and pool.servers[1].alive
+        for held, lps in pool.probe(PROBE).values():
+            assert held == 5
+            assert (torch.tensor(lps) - want5).abs().max().item() <= LOGPROB_TOL
+    finally:
+        pool.close()
 
 
 def _model(fleet):

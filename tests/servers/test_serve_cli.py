@@ -65,7 +65,7 @@ def test_nccl_weights_add_vllms_weight_transfer_flag_on_a_gpu_only() -> None:
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
     parser = EngineArgs.add_cli_args(FlexibleArgumentParser())
-    parsed = parser.parse_args(serve.NCCL_FLAGS)
+    parsed = parser.parse_args(serve.transfer_flags("nccl"))
     engine = EngineArgs.from_cli_args(parsed)
     assert engine.weight_transfer_config.backend == "nccl"
 

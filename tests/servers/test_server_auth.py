@@ -14,7 +14,7 @@ from bapo_cli import redact
 from bapo_cli.rollout import server_auth
 
 TOKEN = "k8Jx-2_qLw9ZtYb3VmN0"
-# the dev routes a weight push and the start-up check use (rollout/servers.py, weights_nccl.py)
+# the dev routes a weight push and the start-up check use (rollout/servers.py, weights_transfer.py)
 DEV_ROUTES = ["/collective_rpc", "/pause", "/resume", "/reset_prefix_cache"]
 DEV_ROUTES += ["/update_weight_version"]
 

@@ -13,12 +13,13 @@ Why each rule:
 - servers feed the async regime only: the other regimes generate inside the training loop, on
   the trainer's engine;
 - `shm` moves weights through this machine's shared memory to a worker process: it cannot reach
-  a server; `filesystem` (and `nccl`) push to servers and need some;
+  a server; `filesystem` (and `nccl`, `gloo`) push to servers and need some;
 - `nccl` is refused off CUDA: vLLM's NCCL weight transfer needs CUDA on the trainer and every
   server, and off CUDA it reports success while moving nothing (open vLLM PRs 57022/57374). On
-  CUDA it runs through `rollout.weights_nccl` (built, not run: no GPU with vLLM was available;
-  its start-up canary stops a push that moves nothing, docs/engines.md); `staleness.nccl_master`
-  must be HOST:PORT;
+  CUDA it runs through `rollout.weights_transfer` (built, not run: no GPU with vLLM was
+  available; its start-up canary stops a push that moves nothing, docs/engines.md); `gloo` is the
+  same protocol with bapo-cli's gloo engine (any device); `staleness.nccl_master` must be
+  HOST:PORT;
 - vLLM takes temperatures 0-2 only (`SamplingParams` refuses more; a server answers each such
   request with HTTP 400): a run on servers or `rollout=vllm`, or an eval on a server or vLLM,
   would fail at its first request, after the engine or the servers started;
@@ -35,7 +36,7 @@ from typing import Any
 
 from bapo_cli.config.errors import ConfigError
 
-WEIGHT_TRANSPORTS = ("shm", "filesystem", "nccl")
+WEIGHT_TRANSPORTS = ("shm", "filesystem", "nccl", "gloo")
 VLLM_MAX_TEMPERATURE = 2.0  # vllm.SamplingParams: "temperature must be in [0, 2]"
 URL_FORM = "give http://HOST:PORT, as `bapo serve` prints it"
 

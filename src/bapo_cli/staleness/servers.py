@@ -95,7 +95,7 @@ from bapo_cli.rollout.servers import (
     ServerPool,
     ServerTaken,
 )
-from bapo_cli.rollout.weights_nccl import NcclPool
+from bapo_cli.rollout.weights_transfer import TRANSPORTS, TransferPool
 from bapo_cli.staleness import probe
 from bapo_cli.staleness.probe import probe_ids, trainer_logprobs
 from bapo_cli.staleness.worker import POLL_S, WorkerError, unit_seed
@@ -134,7 +134,7 @@ class ServerSettings:
 
     urls: tuple[str, ...]
     model: Any  # ModelConfig: the model every server must serve
-    weights: str  # filesystem | nccl
+    weights: str  # filesystem | nccl | gloo
     weights_dir: str | None  # staleness.weights_dir (None: the run dir's weights/)
     nccl_master: str | None
     stall_s: float
@@ -167,8 +167,10 @@ class ServerSettings:
 
     def describe(self) -> str:
         """The run plan's line: the servers, how weights reach them, whether a push pauses."""
-        if self.weights == "nccl":
-            weights = f"weights by NCCL from the trainer's GPU (group at {self.nccl_master})"
+        if self.weights in TRANSPORTS:
+            label = TRANSPORTS[self.weights].label
+            weights = f"weights by {label} from the trainer (vLLM's weight transfer, group at "
+            weights += f"{self.nccl_master})"
         else:
             weights = f"weights by file under {self.weights_dir or '<run dir>/weights'}"
         pause = "; a push pauses responses mid-way (interrupt)" if self.interrupt else ""
@@ -233,14 +235,15 @@ def make_pool(
     owner: Owner | None = None,
 ) -> ServerPool:
     """The pool over the servers (`pool_for`); `follower`: a data-parallel rank other than 0
-    (`FollowerPool`); rank 0 under staleness.weights=nccl an `NcclPool`; `owner`: the run that
-    claims the servers (rank 0's), None to claim nothing (the preflight's look)."""
+    (`FollowerPool`); rank 0 under staleness.weights=nccl|gloo a `TransferPool`; `owner`: the
+    run that claims the servers (rank 0's), None to claim nothing (the preflight's look)."""
     options: dict[str, Any] = {"weights_dir": root, "owner": owner}
     kind: type[ServerPool] = FollowerPool if follower else ServerPool
-    if settings.weights == "nccl" and not follower:  # rank 0 pushes over NCCL
+    if settings.weights in TRANSPORTS and not follower:  # rank 0 pushes through vLLM's API
         host, port = check_master("staleness.nccl_master", settings.nccl_master)
-        kind = NcclPool  # on the policy's device, set by ServerWorker._start
-        options.update(device="cuda", master_address=host, master_port=port)
+        kind = TransferPool  # on the policy's device, set by ServerWorker._start
+        options.update(transport=settings.weights, device="cpu", master_address=host)
+        options.update(master_port=port)
     return pool_for(
         settings.urls,
         settings.model,
@@ -392,7 +395,7 @@ class ServerWorker:
             self._share(model, version)
             return
         weights_fs.remove(self.root, [v for v in weights_fs.versions(self.root) if v >= version])
-        if isinstance(self.pool, NcclPool):  # the canary's probe; the policy's GPU
+        if isinstance(self.pool, TransferPool):  # the canary's probe; the policy's device
             self.pool.probe_ids = self.probe
             self.pool.device = next(model.parameters()).device
         try:
@@ -440,7 +443,7 @@ class ServerWorker:
         staleness.weights=nccl copied on the trainer's device (under the push lock: a push in
         progress sends the version it was asked for, whole)."""
         t0 = time.perf_counter()
-        nccl = isinstance(self.pool, NcclPool)
+        nccl = isinstance(self.pool, TransferPool)
         with self._push_lock if nccl else contextlib.nullcontext():
             if nccl:
                 directory = None

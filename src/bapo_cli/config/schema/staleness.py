@@ -52,12 +52,13 @@ class StalenessConfig:
         "async: how new weights reach the generator: shm (a worker process on this machine) | "
         "filesystem (safetensors under staleness.weights_dir, reloaded by every server of "
         "rollout.servers) | nccl (vLLM's NCCL weight transfer, GPU to GPU; CUDA only; built, "
-        "not run: docs/engines.md)",
+        "not run: docs/engines.md) | gloo (the same protocol over a gloo group: any device, "
+        "servers started with bapo serve --weights gloo)",
     )
     nccl_master: str = opt(
         "127.0.0.1:29555",
-        "nccl: HOST:PORT of the weight group's rendezvous, opened by the trainer (its address as "
-        "every server reaches it; not torchrun's port)",
+        "nccl, gloo: HOST:PORT of the weight group's rendezvous, opened by the trainer (its "
+        "address as every server reaches it; not torchrun's port)",
     )
     weights_dir: str | None = opt(
         None,
