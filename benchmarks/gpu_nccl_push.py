@@ -7,7 +7,7 @@ log-probs and not the calls returning).
     python benchmarks/gpu_nccl_push.py --port 8001 --nccl-port 29555
 
 It starts `bapo serve --weights nccl` for the tiny model on GPU 1, loads the same model on GPU 0
-as the trainer, opens the project's `NcclPool` over the server (its start-up canary must move
+as the trainer, opens the project's `TransferPool` over the server (its start-up canary must move
 the server's probe, then the real weights bring it back), perturbs the embedding, pushes that as
 version 1 and compares the server's probe log-probs with the trainer's: equal to 1e-3 (float32)
 after, moved by more than 100x that. Prints the push time, then PASS or FAIL.
@@ -28,7 +28,7 @@ def main() -> int:
     from bapo_cli.models import loading as models
     from bapo_cli.rollout import serve
     from bapo_cli.rollout.identity import model_identity
-    from bapo_cli.rollout.weights_nccl import NcclPool
+    from bapo_cli.rollout.weights_transfer import TransferPool
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--port", type=int, default=8001)
@@ -46,8 +46,9 @@ def main() -> int:
         serve.wait_ready(url, proc, 900)
         device = torch.device("cuda:0")
         model, _ = models.load_policy(cfg.model, device=device)
-        pool = NcclPool(
+        pool = TransferPool(
             [url],
+            transport="nccl",
             device=device,
             master_port=args.nccl_port,
             expect=model_identity(models.model_dir(cfg.model)),

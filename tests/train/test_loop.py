@@ -30,6 +30,7 @@ DESIGN_KEYS = [
     "perf/rollout_tokens_per_s",
     "perf/train_tokens_per_s",
     "perf/weight_sync_s",
+    "perf/update_tokens_per_s",
 ]
 
 
@@ -39,6 +40,7 @@ def test_each_algo_trains_three_steps_and_changes_the_weights(tmp_path, algo) ->
     assert len(result.history) == 3
     for key in DESIGN_KEYS:
         assert all(math.isfinite(h[key]) for h in result.history), key
+    assert not any("perf/update_mfu" in h for h in result.history)  # CPU: no peak, no MFU
     # every loss reports its bounds and the positive share of the active mass at them
     assert all(0.0 <= h["actor/rho"] <= 1.0 for h in result.history)
     assert all(h["actor/c_low"] < 1.0 < h["actor/c_high"] for h in result.history)

@@ -5,7 +5,7 @@ which scores with it, and the regime, which draws from the collector."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -20,6 +20,7 @@ from bapo_cli.rollout.scoring import (
 )
 from bapo_cli.staleness.regimes import Regime
 from bapo_cli.trainer.distributed import DistContext
+from bapo_cli.trainer.throughput import ScoreClock
 
 __all__ = ["BatchLayout"]
 
@@ -36,6 +37,7 @@ class BatchLayout:
     ctx: DistContext
     scorer: torch.nn.Module  # what computes log-probs (DDP-wrapped or FSDP2-sharded)
     engine_logprobs: bool  # the engine that samples reports log-probs of its own
+    clock: ScoreClock = field(default_factory=ScoreClock)  # the scoring forwards' time
 
     def layout(self, samples: list[Sample], *, updates: bool = False) -> list[list[MicroBatch]]:
         """Mini-batches of micro-batches. `updates` (the optimizer's layout, which every rank
@@ -70,4 +72,5 @@ class BatchLayout:
             if defer_first and i == 0:
                 continue
             for mb in mini:
-                record_behaviour(self.scorer, mb, self.temperature)
+                with self.clock.timing(mb.num_tokens):  # record_behaviour reads the result
+                    record_behaviour(self.scorer, mb, self.temperature)

@@ -126,14 +126,14 @@ def _prepare(
     deferred = first and mb.unscored
     current = None
     if mode.seq_mask == "opsm" and not deferred:  # pi_old against the weights of this update
-        current = _recompute(run.scorer, mb, run.cfg.rollout.temperature)
+        current = _recompute(run, mb)
     if last is not None:
         return dataclasses.replace(
             last, advantages=mb.advantages, deferred=False, current=current, reused=True
         )
     proximal = None
     if mode.old_logprob == "recompute":  # the proximal policy: the weights at first use
-        proximal = _recompute(run.scorer, mb, run.cfg.rollout.temperature)
+        proximal = _recompute(run, mb)
     return Prepared(
         mb,
         mb.advantages,
@@ -146,9 +146,11 @@ def _prepare(
 
 
 @torch.no_grad()
-def _recompute(model, mb: MicroBatch, temperature: float) -> torch.Tensor:
-    """A no-grad forward of the current weights (decoupled PPO's pi_prox, opsm's pi_theta)."""
-    logp, _ = token_logprobs(model, mb, temperature)
+def _recompute(run: Run, mb: MicroBatch) -> torch.Tensor:
+    """A no-grad forward of the current weights (decoupled PPO's pi_prox, opsm's pi_theta),
+    timed as scoring (`perf/score_tokens_per_s`)."""
+    with run.batches.clock.timing(mb.num_tokens, mb.mask.device):
+        logp, _ = token_logprobs(run.scorer, mb, run.cfg.rollout.temperature)
     return logp
 
 

@@ -131,6 +131,17 @@ def _mean(history: list[dict[str, float]], key: str, part: slice) -> float | Non
     return sum(values) / len(values) if values else None
 
 
+# time per stage (trainer.throughput): generation, scoring, update tokens/s, push seconds, MFU
+MFU = "perf/update_mfu"
+STAGES = (
+    "perf/rollout_tokens_per_s",
+    "perf/score_tokens_per_s",
+    "perf/update_tokens_per_s",
+    "perf/weight_sync_s",
+    MFU,
+)
+
+
 def summary_table(history: list[dict[str, float]], title: str = "bapo train: summary") -> Table:
     """First and last tenth of the run side by side."""
     tenth = max(len(history) // 10, 1)
@@ -149,10 +160,13 @@ def summary_table(history: list[dict[str, float]], title: str = "bapo train: sum
         "bapo/rho",
         "staleness/mean",
         "perf/step_s",
+        *STAGES,
     ):
         first, last = _mean(history, key, slice(0, tenth)), _mean(history, key, slice(-tenth, None))
         if first is not None:
             table.add_row(key, f"{first:.4f}", f"{last:.4f}")
+        elif key == MFU and history:  # no peak known for this chip (CPU): said, not guessed
+            table.add_row(key, "n/a", "n/a")
     return table
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from bapo_cli.algos.bounds import rho_from_sums
+from bapo_cli.trainer.throughput import stage_metrics
 from bapo_cli.trainer.update import RHO_SUMS
 
 __all__ = ["step_metrics"]
@@ -46,7 +47,9 @@ def step_metrics(
     """The step's logged numbers. Every loss reports its bounds and the positive share of the
     active mass (`actor/c_low`, `actor/c_high`, `actor/rho`); a loss that searches its bounds
     (`searched`, BAPO) also logs the search under `bapo/`. `perf`: the step's rollout_s,
-    train_s, sync_s, step_s, new_tokens and trained_tokens.
+    train_s, sync_s, step_s, new_tokens and trained_tokens, and for the time per stage
+    (`trainer.throughput`) the scoring clock's readings (`scored`), the update's FLOPs per token
+    (`per_token`) and the chip's peak (`peak`, None: no MFU).
 
     rho and rho_before are weighted by mass over the step's updates, sum(pos) / sum(pos + neg):
     an update without active mass (rho = 1 by convention) adds nothing, and
@@ -102,11 +105,22 @@ def _perf(
     step_s: float,
     new_tokens: float,
     trained_tokens: float,
+    scored: tuple[tuple[float, int], tuple[float, int]] = ((0.0, 0), (0.0, 0)),
+    per_token: float = 0.0,
+    peak: float | None = None,
 ) -> dict[str, float]:
     return {
         "perf/step_s": step_s,
         "perf/rollout_s": rollout_s,
-        "perf/rollout_tokens_per_s": new_tokens / max(rollout_s, 1e-9),
         "perf/train_tokens_per_s": trained_tokens / max(train_s, 1e-9),
-        "perf/weight_sync_s": sync_s,
+        **stage_metrics(
+            rollout_s=rollout_s,
+            new_tokens=new_tokens,
+            train_s=train_s,
+            trained_tokens=trained_tokens,
+            sync_s=sync_s,
+            scored=scored,
+            per_token=per_token,
+            peak=peak,
+        ),
     }

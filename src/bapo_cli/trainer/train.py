@@ -23,14 +23,16 @@ import time
 from pathlib import Path
 from typing import Any
 
+import torch
 from rich.console import Console
 
 from bapo_cli.config.schema import TrainConfig
 from bapo_cli.evaluation import evaluate
+from bapo_cli.models import loading as models
 from bapo_cli.rollout.base import Sample
 from bapo_cli.staleness.source import SampleSource, sample_source
 from bapo_cli.tracking import RUN_DIR_TAG, make_tracker, start_failure
-from bapo_cli.trainer import save_resume
+from bapo_cli.trainer import save_resume, throughput
 from bapo_cli.trainer.interrupt import IDLE, ROLLOUT, UPDATE, GracefulStop, StepAbandoned
 from bapo_cli.trainer.optimize import advantages, optimize
 from bapo_cli.trainer.progress import TrainProgress
@@ -173,11 +175,14 @@ def _train_step(run: Run, stop: GracefulStop, tracker: Any) -> dict[str, float]:
     """Rollouts → rewards → advantages → updates → weight sync; returns the step's metrics and
     keeps the per-update metrics (`run.updates`) and the samples trained on (`run.batch`)."""
     t0 = time.perf_counter()
+    run.batches.clock.take()  # scoring outside a step (validation) is no stage's
     batch, adv_stats, new_tokens, rollout_s = _rollout(run, stop, tracker)
+    in_rollout = run.batches.clock.take()  # the behaviour scoring, inside rollout_s
     stop.phase = UPDATE
     t1 = time.perf_counter()
     update_metrics, trained_tokens, layout = optimize(run, batch)
     train_s = time.perf_counter() - t1
+    scored = (in_rollout, run.batches.clock.take())
     sync_s = _sync(run)
     stop.phase = IDLE
     step_s = time.perf_counter() - t0
@@ -194,6 +199,8 @@ def _train_step(run: Run, stop: GracefulStop, tracker: Any) -> dict[str, float]:
         step_s=step_s,
         new_tokens=new_tokens,
         trained_tokens=trained_tokens,
+        scored=scored,
+        **_update_costs(run),
         searched=run.spec.searches_bounds,
     )
     metrics.update(layout)  # perf/pad_frac, perf/micro_batches
@@ -206,6 +213,20 @@ def _train_step(run: Run, stop: GracefulStop, tracker: Any) -> dict[str, float]:
     run.updates += update_metrics
     run.batch = batch
     return metrics
+
+
+def _update_costs(run: Run) -> dict[str, Any]:
+    """The update's FLOPs per trained token and the chip's peak for its compute dtype (None off
+    the table: no MFU), for `perf/update_mfu` (`trainer.throughput`)."""
+    policy = getattr(run.scorer, "module", run.scorer).model
+    device = next(policy.parameters()).device
+    dtype = models.resolve_dtype(run.cfg.model, device)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else None
+    checkpointing = bool(run.cfg.model.gradient_checkpointing)
+    return {
+        "per_token": throughput.flops_per_token(policy, checkpointing=checkpointing),
+        "peak": throughput.peak_flops(name, dtype),
+    }
 
 
 def _rollout(
