@@ -9,17 +9,21 @@ Named to sort before test_train_servers.py, whose last test leaves both servers 
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
+import threading
 
 import pytest
 import torch
 
+from bapo_cli.config.preflight import preflight
 from bapo_cli.models import loading as models
 from bapo_cli.rollout.servers import ServerError, ServerPool
 from bapo_cli.trainer import checkpoint
+from bapo_cli.trainer.train import train
 from tests.servers.test_pool import LOGPROB_TOL, PROBE, trainer_logprobs
 from tests.servers.test_train_servers import _steps_logged, assert_each_group_once, records
-from tests.train.conftest import train_in_background, wait_for
+from tests.train.conftest import FAST, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 
@@ -32,68 +36,87 @@ def held(url: str) -> int | None:
     return None
 
 
-def test_async_with_gloo_weights_and_a_server_lost_and_taken_back(fleet, tmp_path) -> None:
-    """k=2. After two steps server 1 is frozen (SIGSTOP to its whole process group: it answers
-    nothing, as a dead one) until the run has trained three steps on server 0 alone (the group
-    re-formed without it), then thawed: it still holds the version it had, and the pool takes it
-    back only after a new group of both sent it the current one. Two steps later the run is
-    stopped (SIGUSR1: the step ends, a checkpoint). Checked: every probe after a push within the
-    engine tolerance (MLflow's `servers/probe_abs_diff_max`), `servers/alive` 2 -> 1 -> 2, each
-    prompt group trained once, and server 1 at the end holds the trainer's weights of the version
-    it stamps. (A SIGKILL and a restart take the same path, `ServerPool.revive`; a restart costs
-    60-80 s in CI, ~7 min under this machine's load: run once by hand, docs/engines.md.)"""
-    fleet.ensure_all()
-    run_dir, store = tmp_path / "run", f"sqlite:///{tmp_path}/mlflow.db"
-    trainer = train_in_background(
-        run_dir,
-        "staleness=2",
-        "staleness.regime=async",
-        f"rollout.servers=[{','.join(fleet.urls)}]",
-        "staleness.weights=gloo",
-        "model.max_model_len=256",
-        "rollout.server_stall_s=1",  # the frozen server is down within one health round (10 s)
-        "trainer.log_samples=32",
-        "trainer.max_steps=100000",
-        "trainer.save_every=1",
-        "tracking=mlflow",
-        f"tracking.uri={store}",
-    )
-    frozen = False
-    try:
-        wait_for(lambda: _steps_logged(run_dir) >= 2, 300, "two steps", trainer)
-        fleet.freeze(1)
-        frozen, at_freeze = True, _steps_logged(run_dir)
-        wait_for(lambda: _steps_logged(run_dir) >= at_freeze + 3, 300, "steps on one", trainer)
-        fleet.thaw(1)
+class LoseAndTakeBack(threading.Thread):
+    """Beside the run: after two steps server 1 is frozen (SIGSTOP to its whole process group:
+    it answers nothing, as a dead one) until three more steps are trained on server 0 alone,
+    then thawed; once the pool has taken it back (it stamps a newer version than it held) and
+    two more steps are trained, SIGUSR1 stops the run (in this process: the step ends, a
+    checkpoint). Whatever happens, the server is thawed and the run stopped."""
+
+    def __init__(self, fleet, run_dir) -> None:
+        super().__init__(daemon=True)
+        self.fleet, self.run_dir = fleet, run_dir
+        self.marks: dict[str, int] = {}
+        self.error: BaseException | None = None
+
+    def steps(self) -> int:
+        return _steps_logged(self.run_dir)
+
+    def run(self) -> None:
         frozen = False
-        stale = held(fleet.urls[1])
-        wait_for(lambda: (held(fleet.urls[1]) or -1) > (stale or -1), 300, "taken back", trainer)
-        back = _steps_logged(run_dir)
-        wait_for(lambda: _steps_logged(run_dir) >= back + 2, 300, "two more steps", trainer)
-        trainer.send_signal(signal.SIGUSR1)
-        _, err = trainer.communicate(timeout=120)
-    finally:
-        if frozen:
-            fleet.thaw(1)
-        if trainer.poll() is None:
-            trainer.kill()
-    assert trainer.returncode == 128 + signal.SIGUSR1, err[-3000:]
-    steps = _steps_logged(run_dir)
-    assert steps >= back + 2 and at_freeze >= 2
+        try:
+            wait_for(lambda: self.steps() >= 2, 300, "two steps")
+            self.fleet.freeze(1)
+            frozen, self.marks["frozen"] = True, self.steps()
+            wait_for(lambda: self.steps() >= self.marks["frozen"] + 3, 300, "steps on one")
+            self.fleet.thaw(1)
+            frozen = False
+            stale = held(self.fleet.urls[1]) or -1
+            wait_for(lambda: (held(self.fleet.urls[1]) or -1) > stale, 300, "taken back")
+            self.marks["back"] = self.steps()
+            wait_for(lambda: self.steps() >= self.marks["back"] + 2, 300, "two more steps")
+        except BaseException as exc:  # noqa: BLE001 - handed to the test
+            self.error = exc
+        finally:
+            if frozen:
+                self.fleet.thaw(1)
+            os.kill(os.getpid(), signal.SIGUSR1)
+
+
+def test_async_with_gloo_weights_and_a_server_lost_and_taken_back(fleet, tmp_path) -> None:
+    """k=2, in this process, server 1 lost and taken back mid-run (`LoseAndTakeBack`): while it
+    is frozen the group is re-formed without it, and it is used again only after a new group of
+    both sent it the current version. Checked: every probe after a push within the engine
+    tolerance (`servers/probe_abs_diff_max`), `servers/alive` 2 -> 1 -> 2, each prompt group
+    trained once, and server 1 at the end holds the trainer's weights of the version it stamps.
+    (A SIGKILL and a restart take the same path, `ServerPool.revive`, but a restart costs 60-80 s
+    in CI: run by hand, docs/engines.md.)"""
+    fleet.ensure_all()
+    run_dir = tmp_path / "run"
+    cfg = preflight(
+        "train",
+        [
+            *FAST,
+            "staleness=2",
+            "staleness.regime=async",
+            f"rollout.servers=[{','.join(fleet.urls)}]",
+            "staleness.weights=gloo",
+            "model.max_model_len=256",
+            "rollout.server_stall_s=1",  # the frozen server is down within one health round
+            "trainer.log_samples=32",
+            "trainer.max_steps=100000",
+            "trainer.save_every=1",
+        ],
+    ).config
+    side = LoseAndTakeBack(fleet, run_dir)
+    side.start()
+    result = train(cfg, run_dir)
+    side.join(60)
+    assert side.error is None, side.error
+    assert result.interrupted and result.exit_code == 128 + signal.SIGUSR1
+    steps, marks = len(result.history), side.marks
+    assert steps >= marks["back"] + 2 and marks["frozen"] >= 2
     assert_each_group_once(records(run_dir), steps)
-
-    from mlflow.tracking import MlflowClient
-
-    client = MlflowClient(tracking_uri=store)
-    (run,) = client.search_runs([client.get_experiment_by_name("bapo").experiment_id])
-    history = lambda key: [m.value for m in client.get_metric_history(run.info.run_id, key)]  # noqa: E731
-    probes, alive = history("servers/probe_abs_diff_max"), history("servers/alive")
     # a probe after each push; a push may carry several versions (the generation thread pushes
     # the newest between units)
+    probes = [
+        h["servers/probe_abs_diff_max"] for h in result.history if "servers/probe_abs_diff_max" in h
+    ]
     assert len(probes) >= steps // 2 and max(probes) <= LOGPROB_TOL, probes
+    alive = [h["servers/alive"] for h in result.history]
     assert alive[0] == 2.0 and 1.0 in alive and alive[-1] == 2.0, alive
 
-    # server 1, revived, holds the trainer's weights of the version it stamps
+    # server 1, taken back, holds the trainer's weights of the version it stamps
     version = held(fleet.urls[1])
     state = None
     for d in checkpoint.complete(run_dir / "checkpoints"):
@@ -108,6 +131,7 @@ def test_async_with_gloo_weights_and_a_server_lost_and_taken_back(fleet, tmp_pat
     diff = (torch.tensor(lps) - trainer_logprobs(model, PROBE)).abs().max().item()
     assert diff <= LOGPROB_TOL, diff
     print(  # noqa: T201
-        f"\ngloo: {steps} steps, server 1 frozen after step {at_freeze}, back by step {back}, "
-        f"{len(probes)} probes, max {max(probes):.2e}; server 1 at version {version}: {diff:.2e}"
+        f"\ngloo: {steps} steps, server 1 frozen after step {marks['frozen']}, back by step "
+        f"{marks['back']}, {len(probes)} probes, max {max(probes):.2e}; server 1 at version "
+        f"{version}: {diff:.2e}"
     )
