@@ -173,6 +173,31 @@ def test_what_is_sent_is_what_vllm_0_32_parses() -> None:
     assert [n for n, _ in sent] == ["embed.weight", "norm.weight"]
 
 
+@pytest.mark.vllm
+def test_the_plugin_registers_the_gloo_engine_with_both_factories() -> None:
+    """vLLM finds the plugin by its entry point (installed package metadata) and may call it
+    more than once per process: both factories then build the gloo engine's classes by name."""
+    pytest.importorskip("vllm")
+    from importlib.metadata import entry_points
+
+    from vllm.distributed.weight_transfer.factory import (
+        WeightTransferEngineFactory,
+        WeightTransferTrainerFactory,
+    )
+
+    from bapo_cli.rollout import vllm_plugin, weights_gloo
+
+    (point,) = [e for e in entry_points(group="vllm.general_plugins") if e.name == "bapo_gloo"]
+    assert point.load() is vllm_plugin.register
+    vllm_plugin.register()
+    vllm_plugin.register()  # a second call changes nothing
+    server = WeightTransferEngineFactory._registry[vllm_plugin.GLOO]()
+    trainer = WeightTransferTrainerFactory._registry[vllm_plugin.GLOO]()
+    assert server is weights_gloo.GlooWeightTransferEngine
+    assert trainer is weights_gloo.GlooTrainerWeightTransferEngine
+    assert weights_gloo.GlooTrainerInitInfo.backend == vllm_plugin.GLOO
+
+
 # --------------------------------------------------------------- against the real servers
 
 

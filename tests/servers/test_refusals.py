@@ -120,7 +120,7 @@ URL = "http://127.0.0.1:9"  # a port nothing listens on (discard)
         ),
         (
             [*ASYNC, "staleness.weights=disk"],
-            "staleness.weights=disk: must be one of shm, filesystem, nccl",
+            "staleness.weights=disk: must be one of shm, filesystem, nccl, gloo",
         ),
         (
             [*ASYNC, f"rollout.servers=[{URL}]", "rollout.min_servers=0"],
@@ -256,8 +256,13 @@ def test_the_plan_says_how_weights_reach_the_servers() -> None:
     )
     cfg = preflight("train", [*base, "staleness.weights=nccl", "staleness.interrupt=true"]).config
     assert sample_source(cfg).generation() == (
-        f"1 vLLM server ({URL}), weights by NCCL from the trainer's GPU (group at "
+        f"1 vLLM server ({URL}), weights by NCCL through vLLM's weight transfer (group at "
         "127.0.0.1:29555); a push pauses responses mid-way (interrupt)"
+    )
+    cfg = preflight("train", [*ASYNC, f"rollout.servers=[{URL}]", "staleness.weights=gloo"]).config
+    assert sample_source(cfg).generation() == (
+        f"1 vLLM server ({URL}), weights by gloo through vLLM's weight transfer (group at "
+        "127.0.0.1:29555)"
     )
 
 

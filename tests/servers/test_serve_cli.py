@@ -68,6 +68,9 @@ def test_nccl_weights_add_vllms_weight_transfer_flag_on_a_gpu_only() -> None:
     parsed = parser.parse_args(serve.transfer_flags("nccl"))
     engine = EngineArgs.from_cli_args(parsed)
     assert engine.weight_transfer_config.backend == "nccl"
+    gloo = EngineArgs.from_cli_args(parser.parse_args(serve.transfer_flags("gloo")))
+    assert gloo.weight_transfer_config.backend == "bapo_gloo"  # rollout.vllm_plugin.GLOO
+    assert serve.transfer_flags("filesystem") == []
 
 
 @pytest.mark.vllm

@@ -169,7 +169,7 @@ class ServerSettings:
         """The run plan's line: the servers, how weights reach them, whether a push pauses."""
         if self.weights in TRANSPORTS:
             label = TRANSPORTS[self.weights].label
-            weights = f"weights by {label} from the trainer (vLLM's weight transfer, group at "
+            weights = f"weights by {label} through vLLM's weight transfer (group at "
             weights += f"{self.nccl_master})"
         else:
             weights = f"weights by file under {self.weights_dir or '<run dir>/weights'}"
