@@ -7,12 +7,18 @@ RUNNING, and closing it FINISHED, under the trainer's feet)."""
 from __future__ import annotations
 
 import time
+from functools import lru_cache
 
 from bapo_cli.tracking.server import describe_failure
-from bapo_cli.tracking.store import client
+from bapo_cli.tracking.store import client as new_client
 
 TERMINAL = ("FINISHED", "FAILED", "KILLED")  # a run that no process writes any more
 TRIES = 3  # a SQLite store the trainer writes at the same moment may be locked for a while
+
+
+# one client per store for the process: opening a SQLite store checks its schema (~3 s on a
+# loaded 2-core machine), once per checkpoint otherwise
+client = lru_cache(maxsize=4)(new_client)
 
 
 class AttachError(RuntimeError):
