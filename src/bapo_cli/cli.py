@@ -157,7 +157,8 @@ def train(
         "Examples:\n\n"
         "  bapo eval model.path=Qwen/Qwen2.5-Math-1.5B benchmark=aime24 eval.n=16\n\n"
         "  bapo eval benchmark=math500 benchmark.path=data/math500.jsonl eval.limit=20\n\n"
-        "  bapo eval benchmark=[aime24,aime25] eval.n=16"
+        "  bapo eval benchmark=[aime24,aime25] eval.n=16\n\n"
+        "  bapo eval --watch RUN_DIR eval.server=http://127.0.0.1:8003 benchmark=aime24"
     ),
 )
 def evaluate(
@@ -171,6 +172,14 @@ def evaluate(
         help="Write into a hydra.run.dir that holds a run, an evaluation or a checkpoint "
         "(results.json, samples.jsonl, eval.log beside it; Hydra's record in .hydra-eval).",
     ),
+    watch: Path | None = typer.Option(
+        None,
+        "--watch",
+        metavar="RUN_DIR",
+        help="Score every checkpoint of the training run in RUN_DIR as it appears, on the "
+        "server of eval.server (its own), and log the scores to that run at their step; ends "
+        "with the run.",
+    ),
 ) -> None:
     """Score a model on a benchmark with the composed config (conf/eval.yaml).
 
@@ -181,9 +190,23 @@ def evaluate(
 
     overrides, several = _benchmark_list(list(overrides or []))
     try:
+        if watch is not None:
+            _watch(overrides, watch, multirun or several)
+            return
         launcher.launch("eval", overrides, multirun or several, jobs.eval_job, allow_existing_dir)
     except launcher.Refused as exc:
         raise _fail(str(exc)) from None
+
+
+def _watch(overrides: list[str], run_dir: Path, several: bool) -> None:
+    """`bapo eval --watch RUN_DIR` (launch/watch.py); a failure after it started exits 1."""
+    from bapo_cli.launch import watch
+
+    try:
+        watch.main(overrides, run_dir, several)
+    except watch.WatchFailed as exc:
+        _fail(str(exc))
+        raise typer.Exit(1) from None
 
 
 @app.command(

@@ -90,6 +90,12 @@ URL = "http://127.0.0.1:9"  # a port nothing listens on (discard)
             "rollout.servers=['http://a:1', 'http://a:1/']: names a server twice; list each once",
         ),
         (
+            [*ASYNC, "model.lora.rank=8"],
+            "model.lora.rank=8: with staleness.regime=async needs generation servers "
+            "(rollout.servers=[URL,...] staleness.weights=filesystem: they take the merged "
+            "weights): the worker process loads a plain model and takes no adapter weights",
+        ),
+        (
             [*ASYNC, "staleness.weights_dir=/tmp/w"],
             "staleness.weights_dir=/tmp/w: only the filesystem transport writes weights: needs "
             "staleness.weights=filesystem",

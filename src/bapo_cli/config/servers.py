@@ -106,6 +106,14 @@ def check_train(cfg: Any) -> None:
             f"{cfg.staleness.regime}, which generates inside the training loop): add "
             "staleness.regime=async, or drop rollout.servers",
         )
+    if cfg.model.lora.rank > 0 and cfg.staleness.regime == "async" and not servers:
+        raise ConfigError(
+            "model.lora.rank",
+            cfg.model.lora.rank,
+            "with staleness.regime=async needs generation servers (rollout.servers=[URL,...] "
+            "staleness.weights=filesystem: they take the merged weights): the worker process "
+            "loads a plain model and takes no adapter weights",
+        )
     if weights == "nccl" and not _on_cuda(cfg.model.device):
         raise ConfigError(
             "staleness.weights",

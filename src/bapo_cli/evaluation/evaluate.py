@@ -215,34 +215,11 @@ def evaluate(
         markup=False,  # a path, not markup
         emoji=False,
     )
-    params = SamplingParams(
-        temperature=cfg.eval.temperature,
-        top_p=cfg.eval.top_p,
-        max_tokens=cfg.eval.max_tokens,
-        seed=cfg.eval.seed,
-    )
-    transformers.set_seed(cfg.eval.seed)  # python, numpy, torch (and CUDA) generators
-    grader, grade = _eval_grader(cfg, problems)
     try:
-        result = evaluate_benchmark(
-            cfg.benchmark.name,
-            problems,
-            engine,
-            tokenizer,
-            template=cfg.eval.template,
-            n=cfg.eval.n,
-            params=params,
-            max_model_len=cfg.model.max_model_len,
-            grader=grade,
-        )
+        result = score(cfg, problems, engine, tokenizer)
     finally:
-        grader.close()
         engine.close()  # a server's evaluation releases it
-    results = {cfg.benchmark.name: result.metrics}
-    (run_dir / "results.json").write_text(json.dumps(results, indent=2) + "\n")
-    with (run_dir / "samples.jsonl").open("w", encoding="utf-8") as f:
-        for row in result.samples:
-            f.write(json.dumps(row) + "\n")
+    results = write_results(run_dir, cfg.benchmark.name, result)
     try:  # the results are on disk already: a store that is down loses none of them
         tracker = make_tracker(
             cfg.tracking,
@@ -260,6 +237,47 @@ def evaluate(
     tracker.close()
     console.print(results_table(cfg.benchmark.name, result, skipped))
     console.print(f"results: {run_dir / 'results.json'}", markup=False, emoji=False)
+    return results
+
+
+def score(cfg: Any, problems: list[Problem], engine: Any, tokenizer: Any) -> BenchmarkResult:
+    """`bapo eval`'s scoring of `problems` on `engine`: eval.* sampling, the generators seeded
+    with eval.seed first (so the same weights give the same samples wherever this is called:
+    `bapo eval`, `bapo eval --watch`), graded by `_eval_grader`."""
+    import transformers
+
+    params = SamplingParams(
+        temperature=cfg.eval.temperature,
+        top_p=cfg.eval.top_p,
+        max_tokens=cfg.eval.max_tokens,
+        seed=cfg.eval.seed,
+    )
+    transformers.set_seed(cfg.eval.seed)  # python, numpy, torch (and CUDA) generators
+    grader, grade = _eval_grader(cfg, problems)
+    try:
+        return evaluate_benchmark(
+            cfg.benchmark.name,
+            problems,
+            engine,
+            tokenizer,
+            template=cfg.eval.template,
+            n=cfg.eval.n,
+            params=params,
+            max_model_len=cfg.model.max_model_len,
+            grader=grade,
+        )
+    finally:
+        grader.close()
+
+
+def write_results(out: Path, name: str, result: BenchmarkResult) -> dict[str, Any]:
+    """results.json ({name: metrics}) and samples.jsonl in `out`; the results."""
+    out.mkdir(parents=True, exist_ok=True)
+    results = {name: result.metrics}
+    with (out / "samples.jsonl").open("w", encoding="utf-8") as f:
+        for row in result.samples:
+            f.write(json.dumps(row) + "\n")
+    (out / "results.json").write_text(json.dumps(results, indent=2) + "\n")  # last: complete
     return results
 
 

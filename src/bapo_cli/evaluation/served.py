@@ -88,18 +88,24 @@ def preflight(cfg: Any) -> None:
 def served_engine(cfg: Any, run_dir: Any = None) -> tuple[ServerEngine, Any]:
     """(engine over the server, tokenizer): checked and held for the evaluation (released by
     the engine's close), nothing loaded but the tokenizer."""
+    tokenizer, ends = tokenizer_of(cfg.model)
+    pool = _pool(cfg, Owner.evaluation(run_dir))
+    return ServerEngine(pool, ends, interrupt=False), tokenizer
+
+
+def tokenizer_of(model: Any) -> tuple[Any, list[int]]:
+    """(tokenizer, end-of-sequence ids) of a ModelConfig, no weights loaded."""
     from transformers import AutoTokenizer
 
-    source = models.model_dir(cfg.model)
-    remote = bool(cfg.model.trust_remote_code)
+    source = models.model_dir(model)
+    remote = bool(model.trust_remote_code)
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(source), trust_remote_code=remote)
     except Exception as err:  # missing files, no network, unknown id
         raise ModelLoadError(
             f"model.path={source}: its tokenizer could not be loaded ({first_line(err)})"
         ) from None
-    pool = _pool(cfg, Owner.evaluation(run_dir))
-    return ServerEngine(pool, end_tokens(source, tokenizer, remote), interrupt=False), tokenizer
+    return tokenizer, end_tokens(source, tokenizer, remote)
 
 
 def end_tokens(source: Any, tokenizer: Any, trust_remote_code: bool) -> list[int]:
