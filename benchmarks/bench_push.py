@@ -39,7 +39,7 @@ from rich.console import Console
 from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).parent))
-from bench_servers import free_port, qwen_0p5b_shaped  # noqa: E402
+from bench_servers import free_port  # noqa: E402
 
 from bapo_cli.rollout import serve, weights_fs  # noqa: E402
 from bapo_cli.rollout.server_http import call  # noqa: E402
@@ -270,22 +270,30 @@ def bound_rows(console: Console, work: Path, bw: dict, big: str | None) -> Table
     return table
 
 
-def build(shape: str, work: Path):
+SHAPES = {  # Qwen2.5's: hidden, MLP width, layers, attention heads (KV heads 2, vocabulary 151,936)
+    "0.5B": (896, 4864, 24, 14),
+    "1.5B": (1536, 8960, 28, 12),
+}
+
+
+def build(shape: str, work: Path, layers: int | None = None):
+    """(model, directory): the tiny model, or a random float32 Qwen2 of `shape` (`layers` of its
+    layers: fewer where memory is short), saved under `work`."""
     if shape == "tiny":
         return tiny_model()
-    directory = work / f"model-{shape}"
-    if shape == "0.5B":
-        return qwen_0p5b_shaped(directory), directory
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
+    hidden, mlp, depth, heads = SHAPES[shape]
+    directory = work / f"model-{shape}-{layers or depth}"
     torch.manual_seed(0)
     config = Qwen2Config(
         vocab_size=151936,
-        hidden_size=1536,
-        intermediate_size=8960,
-        num_hidden_layers=28,
-        num_attention_heads=12,
+        hidden_size=hidden,
+        intermediate_size=mlp,
+        num_hidden_layers=layers or depth,
+        num_attention_heads=heads,
         num_key_value_heads=2,
+        max_position_embeddings=32768,
         tie_word_embeddings=True,
         architectures=["Qwen2ForCausalLM"],
     )
@@ -294,17 +302,18 @@ def build(shape: str, work: Path):
     return model, directory
 
 
-def delta_rows(console: Console, work: Path, lrs: list[float], dtypes: list[str], steps: int):
+def delta_rows(
+    console: Console, work: Path, lrs: list[float], dtypes: list[str], steps: int, layers: int
+):
     from transformers import Qwen2ForCausalLM
 
-    table = Table(title=f"delta pushes, 0.5B shape, {steps} AdamW steps per lr (median)")
+    title = f"delta pushes, 0.5B shape ({layers} of 24 layers), {steps} AdamW steps per lr"
+    table = Table(title=title + " (median)")
     cols = ("dtype", "lr", "kind", "bytes", "of full", "write s", "push s", "probe max")
     for col in (*cols, "load avg"):
         table.add_column(col, justify="left" if col in ("dtype", "kind") else "right")
-    directory = work / "model-0.5B"
-    if not directory.is_dir():
-        del_model = qwen_0p5b_shaped(directory)
-        del del_model
+    directory = build("0.5B", work, layers)[1]
+    gc.collect()
     ids = torch.randint(0, 151936, (2, 64), generator=torch.Generator().manual_seed(0))
     for dtype in dtypes:
         serving = getattr(torch, dtype)
@@ -312,6 +321,7 @@ def delta_rows(console: Console, work: Path, lrs: list[float], dtypes: list[str]
         pool = ServerPool([url], weights_dir=work / f"w-delta-{dtype}")
         version = 0
         try:
+            pool.start(version)  # the server's own weights are version 0
             for lr in lrs:
                 gc.collect()
                 model = Qwen2ForCausalLM.from_pretrained(directory, torch_dtype=torch.float32)
@@ -321,8 +331,6 @@ def delta_rows(console: Console, work: Path, lrs: list[float], dtypes: list[str]
                 la = load()
                 first = timed_push(pool, writer, model, root, version + 1)  # a new writer: full
                 version += 1
-                if pool.version == 1:
-                    pass
                 rows: list[dict] = []
                 for _ in range(steps):
                     loss = model(ids, labels=ids).loss
@@ -364,6 +372,7 @@ def main() -> None:
     parser.add_argument("--lrs", default="1e-6,1e-5,1e-4")
     parser.add_argument("--dtypes", default="bfloat16,float32")
     parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--layers", type=int, default=24, help="delta: of the 0.5B's 24 layers")
     args = parser.parse_args()
     only = set(args.only.split(","))
     torch.set_num_threads(1)
@@ -384,7 +393,8 @@ def main() -> None:
         console.print(bound_rows(console, work, bw, args.big))
     if "delta" in only:
         lrs = [float(x) for x in args.lrs.split(",")]
-        console.print(delta_rows(console, work, lrs, args.dtypes.split(","), args.steps))
+        dtypes = args.dtypes.split(",")
+        console.print(delta_rows(console, work, lrs, dtypes, args.steps, args.layers))
     console.print(f"load average at the end: {load()}")
 
 

@@ -50,11 +50,12 @@ def test_async_with_delta_pushes_probe_equal_after_every_push(fleet, tmp_path) -
     result = train(cfg, tmp_path / "run")
     history = result.history
     assert len(history) == steps
-    # every version was written (and probed, else PushFailed had stopped the run)
+    # every version was written (and probed, else PushFailed had stopped the run); step s logs
+    # the version written before it: v0 (the start) to v5
     kinds = [h["servers/push_delta"] for h in history]
     sizes = [h["servers/push_bytes"] for h in history]
     full = max(sizes)
-    assert kinds == [1.0, 1.0, 0.0, 1.0, 1.0, 0.0], kinds  # v3 and v6 full (every 3)
+    assert kinds == [0.0, 1.0, 1.0, 0.0, 1.0, 1.0], kinds  # v0 and v3 full (every 3)
     assert all(s < full / 4 for s, d in zip(sizes, kinds, strict=True) if d), sizes
     probes = [h["servers/probe_abs_diff_max"] for h in history if "servers/probe_abs_diff_max" in h]
     assert len(probes) >= 2 and max(probes) <= 0.1, probes  # bf16 trainer vs float32 servers

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import tempfile
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -176,3 +177,28 @@ def test_cleanup_keeps_the_full_version_a_chain_starts_from() -> None:
         writer.force_full("a server came back")
         writer.write(nudged(weights, 0.01, 9).items(), root, 4)
         assert weights_fs.cleanup(root, keep_from=4) == [0, 1, 2, 3]
+
+
+def test_a_server_that_came_back_makes_the_next_version_full() -> None:
+    """The pool counts servers that came back (`ServerPool.revivals`); the writer tells its
+    servers to keep what they load only when it writes deltas."""
+    pool = SimpleNamespace(revivals=0, keep_held=False)
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        writer = VersionWriter(delta=True, full_every=100, pool=pool)
+        assert pool.keep_held
+        weights = model(2)
+        kinds = []
+        for v in range(5):
+            if v == 3:
+                pool.revivals += 1
+            kinds.append(writer.write(nudged(weights, 0.01, v).items(), root, v).why_full)
+            assert writer.metrics["push_delta"] == float(kinds[-1] is None)
+        assert kinds == [
+            "the start (what the servers hold is not known)",
+            None,
+            None,
+            "a server came back",
+            None,
+        ]
+    assert not VersionWriter(delta=False, pool=pool).delta and not pool.keep_held
