@@ -346,6 +346,64 @@ def delta_rows(
     return table
 
 
+def delta_bytes_rows(
+    console: Console, work: Path, lrs: list[float], dtypes: list[str], steps: int, layers: int
+) -> Table:
+    """`--no-server`: the delta table's bytes and write seconds from the trainer alone (every
+    dtype's writer fed the same steps), where a server does not fit in memory."""
+    from transformers import Qwen2ForCausalLM
+
+    title = f"delta versions, 0.5B shape ({layers} of 24 layers), {steps} AdamW steps per lr"
+    table = Table(title=title + " (trainer side, no server; median over the steps)")
+    cols = ("dtype", "lr", "delta bytes", "of full", "of full at 24 layers", "write s", "full s")
+    for col in (*cols, "load avg"):
+        table.add_column(col, justify="left" if col == "dtype" else "right")
+    directory = build("0.5B", work, layers)[1]
+    gc.collect()
+    ids = torch.randint(0, 151936, (2, 64), generator=torch.Generator().manual_seed(0))
+    for lr in lrs:
+        model = Qwen2ForCausalLM.from_pretrained(directory, torch_dtype=torch.float32)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+        writers = {d: VersionWriter(True, steps + 2, dtype=getattr(torch, d)) for d in dtypes}
+        roots = {d: work / f"w-bytes-{d}" for d in dtypes}
+        la = load()
+        rows: dict[str, list[dict]] = {d: [] for d in dtypes}
+        full_s: dict[str, float] = {}
+        for step in range(steps + 1):
+            if step:
+                model(ids, labels=ids).loss.backward()
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+            for d, writer in writers.items():
+                t0 = time.perf_counter()
+                w = writer.write(model.named_parameters(), roots[d], step)
+                took = time.perf_counter() - t0
+                if step == 0:
+                    full_s[d] = took
+                else:
+                    at = at_24(w, layers, model, getattr(torch, d))
+                    rows[d].append({"w": w, "s": took, "at_24": at})
+                weights_fs.cleanup(roots[d], keep_from=step)
+        for d in dtypes:
+            rs = rows[d]
+            kinds = {r["w"].delta for r in rs}
+            size = statistics.median(r["w"].bytes for r in rs)
+            table.add_row(
+                d,
+                f"{lr:g}",
+                f"{size / 1e6:.1f} MB" + ("" if kinds == {True} else " (full: not cheaper)"),
+                f"{size / rs[0]['w'].full_bytes:.3f}",
+                f"{statistics.median(r['at_24'] for r in rs):.3f}",
+                f"{statistics.median(r['s'] for r in rs):.2f}",
+                f"{full_s[d]:.2f}",
+                f"{la} / {load()}",
+            )
+        console.print(f"done: lr {lr:g}", style="dim")
+        del model, optimizer, writers
+        gc.collect()
+    return table
+
+
 def at_24(written, layers: int, model, dtype: torch.dtype) -> float:
     """A version's share of the full bytes had the model all 24 layers: its decoder layers'
     bytes scaled by 24 / `layers` (they are alike: same shapes, same initialisation)."""
@@ -373,6 +431,7 @@ def main() -> None:
     parser.add_argument("--dtypes", default="bfloat16,float32")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--layers", type=int, default=24, help="delta: of the 0.5B's 24 layers")
+    parser.add_argument("--no-server", action="store_true", help="delta: bytes, no server")
     args = parser.parse_args()
     only = set(args.only.split(","))
     torch.set_num_threads(1)
@@ -395,7 +454,8 @@ def main() -> None:
     if "delta" in only:
         lrs = [float(x) for x in args.lrs.split(",")]
         dtypes = args.dtypes.split(",")
-        console.print(delta_rows(console, work, lrs, dtypes, args.steps, args.layers))
+        rows = delta_bytes_rows if args.no_server else delta_rows
+        console.print(rows(console, work, lrs, dtypes, args.steps, args.layers))
     console.print(f"load average at the end: {load()}")
 
 

@@ -49,16 +49,17 @@ def encode(
     changed elements as `NAME::idx` + `NAME::val`, or `NAME` whole, whichever is fewest bytes."""
     out: dict[str, torch.Tensor] = {}
     for name, t in new.items():
-        changed = (_bits(old[name]) != _bits(t)).nonzero().reshape(-1)
-        if changed.numel() == 0:
+        moved = _bits(old[name]) != _bits(t)
+        count = int(moved.sum())
+        if count == 0:
             continue
-        index = changed.to(torch.int32 if t.numel() < 2**31 else torch.int64)
-        sparse = index.numel() * (index.element_size() + t.element_size())
-        if sparse < t.numel() * t.element_size():
-            out[name + IDX] = index
-            out[name + VAL] = t.reshape(-1)[changed].clone()
-        else:
-            out[name] = t
+        wide = t.numel() >= 2**31
+        if count * ((8 if wide else 4) + t.element_size()) >= t.numel() * t.element_size():
+            out[name] = t  # whole: found by counting (indices of most elements would be large)
+            continue
+        changed = moved.nonzero().reshape(-1)
+        out[name + IDX] = changed.to(torch.int64 if wide else torch.int32)
+        out[name + VAL] = t.reshape(-1)[changed]
     return out
 
 
