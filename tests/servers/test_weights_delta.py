@@ -72,9 +72,27 @@ def test_per_tensor_the_fewest_bytes_nothing_sparse_or_whole() -> None:
     new["most"][:80] = 1.0  # 80 x 6 > 200: whole
     new["same"][7] = -0.0  # another bit pattern, == says equal: still a change
     delta = encode(old, new)
-    assert sorted(delta) == ["few::idx", "few::val", "most", "same::idx", "same::val"]
-    assert delta["few::idx"].tolist() == [3, 50] and delta["few::idx"].dtype == torch.int32
-    assert weights_delta.nbytes(delta) == 2 * 6 + 200 + 6
+    assert sorted(delta) == ["few::gap", "few::val", "most", "same::gap", "same::val"]
+    # positions 0 (every STRIDE-th joins), 3, 50 as gaps; values the new ones
+    assert delta["few::gap"].tolist() == [0, 3, 47] and delta["few::gap"].dtype == torch.int16
+    assert delta["few::val"].tolist() == [0.0, 1.0, 1.0]
+    assert weights_delta.nbytes(delta) == 3 * 4 + 200 + 2 * 4  # "same": positions 0 and 7
+
+
+def test_gaps_past_two_bytes_and_positions_past_two_to_the_31() -> None:
+    """Gaps up to STRIDE travel in two bytes (as int16 bits); a tensor of more than 2^31
+    elements is addressed by the gaps' int64 sum (a 2^31-element tensor is not built here:
+    positions_of is checked on the gaps such a tensor would give)."""
+    n = 3 * weights_delta.STRIDE + 10
+    old = torch.zeros(n, dtype=torch.bfloat16)
+    new = old.clone()
+    new[[1, weights_delta.STRIDE + 7, n - 1]] = 2.0
+    delta = encode({"t": old}, {"t": new})
+    held = {"t": old.clone()}
+    apply(held, delta)
+    assert bits_equal(held["t"], new)
+    gaps = torch.full((40_000,), weights_delta.STRIDE, dtype=torch.int32).to(torch.int16)
+    assert weights_delta.positions_of(gaps)[-1].item() == 40_000 * weights_delta.STRIDE > 2**31
 
 
 def kinds(spec: str) -> dict[int, tuple[str, int | None]]:

@@ -4,9 +4,11 @@ only what changed since the version before it, in the dtype the servers compute 
 An RL step at the learning rates LLM recipes use (about 1e-6) moves most bf16 weights by less
 than their rounding step, so most elements of the serving copy do not change between versions
 (issue 47, measured in docs/benchmarks.md). A delta version stores, per tensor, nothing when no
-element changed, its changed elements as flat indices + values (`sparse`) when that is fewer
-bytes, else the whole tensor (`dense`). Changed means another bit pattern, so applying a delta
-to the version before it gives the new version bit for bit (-0.0, NaN included).
+element changed, its changed elements as 2-byte gaps between their flat positions + their values
+(`sparse`) when that is fewer bytes, else the whole tensor. Changed means another bit pattern, so
+applying a delta to the version before it gives the new version bit for bit (-0.0, NaN
+included). The 2-byte gaps were chosen by measurement over 4-byte indices: 4 bytes per changed
+bf16 element instead of 6 (docs/benchmarks.md#delta-pushes).
 
     step_00000007/  model.safetensors  STABLE {"version": 7, ...}                  a full version
     step_00000008/  delta.safetensors  STABLE {"version": 8, "kind": "delta", "base": 7, ...}
@@ -33,7 +35,8 @@ from safetensors import safe_open
 
 from bapo_cli.rollout import weights_fs
 
-IDX, VAL = "::idx", "::val"  # a sparse tensor's two entries in a delta file
+GAP, VAL = "::gap", "::val"  # a sparse tensor's two entries in a delta file
+STRIDE = 2**16 - 1  # the largest gap two bytes hold
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
@@ -46,21 +49,34 @@ def encode(
     old: Mapping[str, torch.Tensor], new: Mapping[str, torch.Tensor]
 ) -> dict[str, torch.Tensor]:
     """The delta from `old` to `new` (same names, shapes and dtypes): per tensor nothing, its
-    changed elements as `NAME::idx` + `NAME::val`, or `NAME` whole, whichever is fewest bytes."""
+    changed elements as `NAME::gap` + `NAME::val` (`sparse`), or `NAME` whole, whichever is
+    fewest bytes."""
     out: dict[str, torch.Tensor] = {}
     for name, t in new.items():
         moved = _bits(old[name]) != _bits(t)
         count = int(moved.sum())
         if count == 0:
             continue
-        wide = t.numel() >= 2**31
-        if count * ((8 if wide else 4) + t.element_size()) >= t.numel() * t.element_size():
-            out[name] = t  # whole: found by counting (indices of most elements would be large)
+        entries = count + -(-t.numel() // STRIDE)  # at most: the STRIDE-th positions join
+        if entries * (2 + t.element_size()) >= t.numel() * t.element_size():
+            out[name] = t  # whole: found by counting (most elements' positions would be large)
             continue
-        changed = moved.nonzero().reshape(-1)
-        out[name + IDX] = changed.to(torch.int64 if wide else torch.int32)
-        out[name + VAL] = t.reshape(-1)[changed]
+        out[name + GAP], out[name + VAL] = sparse(moved.nonzero().reshape(-1), t.reshape(-1))
     return out
+
+
+def sparse(changed: torch.Tensor, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Changed positions as 2-byte gaps between them, and their values. Every STRIDE-th position
+    joins the changed ones (with its new value, changed or not), so no gap exceeds what two
+    bytes hold, for one entry per STRIDE elements. The gaps' uint16 bits travel as int16."""
+    grid = torch.arange(0, flat.numel(), STRIDE, dtype=torch.int64)
+    positions = torch.unique(torch.cat([changed, grid]))  # sorted; position 0 first
+    gaps = torch.diff(positions, prepend=positions.new_zeros(1))
+    return gaps.to(torch.int32).to(torch.int16), flat[positions]
+
+
+def positions_of(gaps: torch.Tensor) -> torch.Tensor:
+    return torch.cumsum(gaps.to(torch.int64) & 0xFFFF, 0)
 
 
 def apply(held: dict[str, torch.Tensor], delta: Mapping[str, torch.Tensor]) -> list[str]:
@@ -70,9 +86,9 @@ def apply(held: dict[str, torch.Tensor], delta: Mapping[str, torch.Tensor]) -> l
     for key, t in delta.items():
         if key.endswith(VAL):
             continue
-        if key.endswith(IDX):
-            name = key[: -len(IDX)]
-            held[name].reshape(-1)[delta[key].long()] = delta[name + VAL]
+        if key.endswith(GAP):
+            name = key[: -len(GAP)]
+            held[name].reshape(-1)[positions_of(t)] = delta[name + VAL]
         else:
             name = key
             if held[name].shape != t.shape or held[name].dtype != t.dtype:
