@@ -158,18 +158,26 @@ def rows_table(title: str, results: list[tuple[str, dict]]) -> Table:
 # ------------------------------------------------------------------------ a 0.5B-shaped push
 
 
-def qwen_0p5b_shaped(directory: Path):
-    """A Qwen2 model of Qwen2.5-0.5B's shape, random weights (float32), saved to `directory`."""
+SHAPES = {  # Qwen2.5's: hidden, MLP width, layers, attention heads (KV heads 2, vocabulary 151,936)
+    "0.5B": (896, 4864, 24, 14),
+    "1.5B": (1536, 8960, 28, 12),
+}
+
+
+def qwen_0p5b_shaped(directory: Path, shape: str = "0.5B", layers: int | None = None):
+    """A Qwen2 model of Qwen2.5-0.5B's shape (or `shape`'s; `layers` of its layers), random
+    weights (float32), saved to `directory`."""
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
+    hidden, mlp, depth, heads = SHAPES[shape]
     torch.manual_seed(0)
     config = Qwen2Config(
         vocab_size=151936,
-        hidden_size=896,
-        intermediate_size=4864,
-        num_hidden_layers=24,
-        num_attention_heads=14,
+        hidden_size=hidden,
+        intermediate_size=mlp,
+        num_hidden_layers=layers or depth,
+        num_attention_heads=heads,
         num_key_value_heads=2,
         max_position_embeddings=32768,
         tie_word_embeddings=True,

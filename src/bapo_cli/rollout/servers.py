@@ -43,11 +43,10 @@ from typing import Any
 
 import torch
 
-from bapo_cli.rollout import identity, weights_fs
+from bapo_cli.rollout import identity, server_push, weights_fs
 from bapo_cli.rollout.base import Request, SamplingParams
-from bapo_cli.rollout.claims import Claims, Owner, check_reload
+from bapo_cli.rollout.claims import Claims, Owner
 from bapo_cli.rollout.identity import ModelIdentity, model_identity
-from bapo_cli.rollout.lease import LEASE_S, LeaseLost, LeaseRefused
 from bapo_cli.rollout.quorum import Quorum
 from bapo_cli.rollout.server_answers import (
     Aborted,
@@ -80,11 +79,14 @@ from bapo_cli.rollout.server_http import (
     generate_limit,
     validate_url,
 )
+from bapo_cli.rollout.server_push import CLOSE_TIMEOUT_S, PUSH_TIMEOUT_S, PushMissed
 
 __all__ = [  # rollout.servers is where the rest of the project finds these
     "CHECK_TIMEOUT_S",
     "HTTPStatus",
     "ModelIdentity",
+    "PUSH_TIMEOUT_S",
+    "PushMissed",
     "ServedGeneration",
     "ServerError",
     "ServerFault",
@@ -96,8 +98,6 @@ __all__ = [  # rollout.servers is where the rest of the project finds these
 ]
 
 REQUEST_TIMEOUT_S = 600.0  # one response, all told (a healthy server's longest)
-PUSH_TIMEOUT_S = 600.0  # a reload of a large model from a network filesystem
-CLOSE_TIMEOUT_S = 2.0  # close(): each abort/resume call; a run's stop must not wait on a server
 REVIVE_S = 2.0  # how often a down server is asked whether it is back
 POLL_S = 0.2
 MAX_ABORTS = 3  # a request vLLM aborted this many times: the server is refused, not asked again
@@ -113,10 +113,6 @@ class TooFewServers(ServerError):
 
 class PoolClosed(ServerError):
     """`close()` was called while requests were waiting: their answers are not wanted."""
-
-
-class PushMissed(ServerError):
-    """A server answered a reload without having read the version written; one line."""
 
 
 @dataclass
@@ -191,6 +187,11 @@ class ServerPool:
         self.claims = Claims(owner, self.rpc) if owner is not None else None
         self.base = base
         self.stamped = stamped  # False: the tokens' weight versions are not read (bapo eval)
+        # pushes: in one call where a server can (`rollout.server_push`); `keep_held`: servers
+        # keep the tensors they load, to apply the next delta to (rollout.weights_delta)
+        self.fuse, self.keep_held = True, False
+        self.pushes: Counter[str] = Counter()  # how each server push was made
+        self.revivals = 0  # servers that came back (the next version is written full)
 
     # ------------------------------------------------------------------------------ start-up
 
@@ -422,6 +423,7 @@ class ServerPool:
                 server.last_error = str(exc)
                 return False
             server.alive = True
+            self.revivals += 1
         self.events.append(f"back {server.url} at version {self.version}")
         return True
 
@@ -494,42 +496,8 @@ class ServerPool:
             thread.join(2 * CLOSE_TIMEOUT_S + 1)
 
     def _push_one(self, server: Server, directory: Path | None, version: int, mode: str) -> None:
-        url = server.url
-
-        def push_call(path: str, body: Any = None) -> Any:  # long, watched, ended by close()
-            return call(
-                url, "POST", path, body, PUSH_TIMEOUT_S, cancel=self.closed, watch=self.watch
-            )
-
-        push_call(f"/pause?mode={mode}")
-        try:
-            if directory is not None:  # None: the server's own start weights are version 0
-                self._reload(url, directory, version, push_call)
-            reset = push_call("/reset_prefix_cache?reset_running_requests=true")
-            if not (isinstance(reset, dict) and reset.get("success", False)):
-                raise HTTPStatus(500, f"{url} could not reset its prefix cache")
-            push_call("/update_weight_version", {"new_version": str(version)})
-        finally:  # never left paused; asked briefly once the pool is closed (a stop waits)
-            wait_s = CLOSE_TIMEOUT_S if self.closed.is_set() else self.check_timeout_s
-            with contextlib.suppress(ServerError):
-                call(url, "POST", "/resume", None, wait_s)
-        server.version = version
-
-    def _reload(self, url: str, directory: Path, version: int, push_call: Any) -> None:
-        """One server reloads `version` for this pool's owner; ServerTaken if the lease table
-        refuses it or another holder came in between, PushMissed if what it read is not what
-        was written (the marker's fingerprint)."""
-        who = self.claims.reload_args() if self.claims is not None else ["", ""]
-        args = [str(directory), str(version), *who, self.base or "", str(LEASE_S)]
-        body = {"method": "bapo_reload", "args": args}
-        answer = push_call("/collective_rpc", body)
-        answers = (answer.get("results") if isinstance(answer, dict) else None) or []
-        try:
-            missed = check_reload(self.claims, url, answers, weights_fs.read_marker(directory))
-        except (LeaseRefused, LeaseLost) as exc:
-            raise ServerTaken(str(exc)) from None
-        if missed is not None:
-            raise PushMissed(missed)
+        """One server's push: one call where it can, else five (`rollout.server_push`)."""
+        server_push.push_one(self, server, directory, version, mode)
 
     def probe(self, token_ids: Sequence[int]) -> dict[str, tuple[int, list[float]]]:
         """Each live server's log-probs of `token_ids[1:]` given the tokens before (a fixed probe

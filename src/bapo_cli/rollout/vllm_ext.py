@@ -34,15 +34,18 @@ side of a server run never imports it (it names the class as a string).
 
 from __future__ import annotations
 
+import json
 import logging
+import sys
 import time
 from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
 from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+from vllm.v1.engine.core import EngineCore
 
-from bapo_cli.rollout import weights_fs
+from bapo_cli.rollout import weights_delta, weights_fs
 from bapo_cli.rollout.identity import SHAPE_FIELDS
 from bapo_cli.rollout.lease import LEASE_S, LeaseTable
 
@@ -74,6 +77,8 @@ class BapoWorkerExtension:
             "fingerprint": self._bapo_start_fingerprint,
             "holds": self.bapo_table().holds,
             "extension": EXTENSION,
+            "push": 1,  # bapo_push: chains of deltas (rollout/server_push.py)
+            "fuse": _engine_core() is not None,  # ... and a push in one call
         }
 
     def bapo_claim(self, run: str, nonce: str, kind: str, lease_s: str) -> dict[str, Any]:
@@ -118,6 +123,68 @@ class BapoWorkerExtension:
             "fingerprint": weights_fs.fingerprint(named),
             "seconds": time.perf_counter() - t0,
         }
+
+    def bapo_push(self, spec: str) -> dict[str, Any]:
+        """A push in one call (`rollout.server_push` sends `spec`, JSON): load the chain of
+        versions `steps` ([[DIR, N], ...]: a full version, then deltas, or deltas from the one
+        this worker holds) for the lease holder and, with `fuse`, reset the prefix cache with
+        its running requests and stamp `version` in the same engine step gap (what pause, reset,
+        stamp and resume do over five calls). Fused only where the engine core runs in this
+        process (one worker: vLLM's UniProcExecutor) between two steps and, unless `mode` is
+        keep, has no request running; else `{"fused": false, "why": ...}`, nothing done, and the
+        client pauses first. `{"need_full": true}` when the chain starts from a version this
+        worker does not hold (it came back): nothing loaded."""
+        s = json.loads(spec)
+        engine = _engine_core() if s.get("fuse") else None
+        if s.get("fuse"):
+            why = _cannot_fuse(engine, str(s.get("mode", "wait")))
+            if why is not None:
+                return {"fused": False, "why": why}
+        table = self.bapo_table()
+        lease_s = float(s.get("lease_s", LEASE_S))
+        run, nonce = s.get("run") or None, s.get("nonce") or None
+        grant = table.load(run, nonce, lease_s)
+        if not grant["granted"]:
+            return grant
+        t0 = time.perf_counter()
+        answer: dict[str, Any] = {**grant, "fused": engine is not None}
+        steps = [(str(d), int(v)) for d, v in s.get("steps", [])]
+        if steps:
+            held = self._bapo_chain(steps)
+            if held is None:
+                return {**grant, "need_full": True, "fused": False}
+            reload_in_place(self.model_runner, held.items())  # type: ignore[attr-defined]
+            version = steps[-1][1]
+            table.loaded(run, version, s.get("base") or None)
+            self._bapo_held = (version, held) if s.get("keep") else None
+            if run and nonce:  # renewed again: the load may have taken long
+                grant = table.claim(run, nonce, "train", lease_s)
+            answer.update(grant, version=version, tensors=len(held))
+            answer["fingerprint"] = weights_fs.fingerprint(held.items())
+        if engine is not None:
+            if not engine.reset_prefix_cache(reset_running_requests=True):
+                raise RuntimeError("the engine could not reset its prefix cache")
+            engine.set_weight_version(str(s["version"]))
+        answer["seconds"] = time.perf_counter() - t0
+        return answer
+
+    def _bapo_chain(self, steps: list[tuple[str, int]]) -> dict[str, torch.Tensor] | None:
+        """The tensors after loading `steps` (a full version, or deltas from the one held);
+        None when the first is a delta on a version this worker does not hold."""
+        version, held = getattr(self, "_bapo_held", None) or (None, None)
+        self._bapo_held = None  # a chain that fails half-way leaves nothing to diff against
+        for directory, v in steps:
+            marker = weights_fs.read_marker(directory)
+            if int(marker["version"]) != v:
+                raise weights_fs.WeightsDirError(f"{directory}: holds version {marker['version']}")
+            if marker.get("kind") == "delta":
+                if held is None or int(marker["base"]) != version:
+                    return None
+                weights_delta.apply(held, weights_delta.read(directory))
+            else:
+                held = dict(weights_fs.open_version(directory, v))
+            version = v
+        return held
 
     def bapo_table(self) -> LeaseTable:
         """This worker's lease table (made at the first use; not meant to be called over HTTP)."""
@@ -191,6 +258,30 @@ def quiet_unloadable_layers(model: torch.nn.Module) -> None:
     logger = logging.getLogger(RELOAD_LOGGER)
     if not any(isinstance(f, _NoWeightsOfTheirOwn) for f in logger.filters):
         logger.addFilter(_NoWeightsOfTheirOwn(no_weights_of_their_own(model)))
+
+
+def _engine_core() -> EngineCore | None:
+    """The engine core whose utility call (collective_rpc) runs this method, when the worker
+    runs in its process (UniProcExecutor); None when the worker is a process of its own."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        obj = frame.f_locals.get("self")
+        if isinstance(obj, EngineCore):
+            return obj
+        frame = frame.f_back
+    return None
+
+
+def _cannot_fuse(engine: EngineCore | None, mode: str) -> str | None:
+    """Why a push cannot be done inside this call (None: it can): between two steps, nothing
+    in flight, and with `mode` wait or abort nothing running (those wait for or end it first)."""
+    if engine is None:
+        return "the engine core runs in another process"
+    if getattr(engine, "batch_queue", None):
+        return "a batch is in flight"
+    if mode != "keep" and engine.scheduler.has_unfinished_requests():
+        return f"requests are running (mode {mode})"
+    return None
 
 
 def _iterate(named: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:

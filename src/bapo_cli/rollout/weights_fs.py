@@ -49,6 +49,7 @@ from safetensors.torch import save_file
 
 MARKER = "STABLE"
 WEIGHTS = "model.safetensors"
+DELTA = "delta.safetensors"  # a delta version's file (rollout.weights_delta)
 SAMPLED = 64  # values of each tensor's first row the fingerprint reads
 _STEP = re.compile(r"^step_(\d{8,})$")
 
@@ -88,33 +89,43 @@ def write_version(
     Tensors are written as they come (`lora.engine_weights` merges adapters lazily), made
     contiguous on the CPU; a name given twice is written once (its first tensor), and two names
     of one tensor (a state dict's tied lm_head) each get a copy."""
+    tensors = gather(named)
+    marker = {"tensors": len(tensors), "fingerprint": fingerprint(tensors.items())}
+    return commit(root, version, WEIGHTS, tensors, marker)
+
+
+def gather(named: Iterable[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """`named` as a dict of contiguous CPU tensors, as a version is written (`write_version`)."""
+    tensors: dict[str, torch.Tensor] = {}
+    storages: set[int] = set()
+    for name, t in named:
+        if name in tensors:
+            continue
+        t = t.detach().to("cpu").contiguous()
+        if t.untyped_storage().data_ptr() in storages:  # tied (a state dict's lm_head):
+            t = t.clone()  # safetensors refuses tensors sharing memory
+        storages.add(t.untyped_storage().data_ptr())
+        tensors[name] = t
+    return tensors
+
+
+def commit(
+    root: Path | str, version: int, filename: str, tensors: dict[str, torch.Tensor], marker: dict
+) -> Path:
+    """`tensors` as `filename` in version `version`'s directory, with `marker` (plus the version
+    and the bytes written) as its STABLE, made visible in one rename (module docstring)."""
     root = Path(root)
     final = version_dir(root, version)
     tmp = root / f".tmp-{final.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     tmp.mkdir(parents=True)
     try:
-        tensors: dict[str, torch.Tensor] = {}
-        storages: set[int] = set()
-        for name, t in named:
-            if name in tensors:
-                continue
-            t = t.detach().to("cpu").contiguous()
-            if t.untyped_storage().data_ptr() in storages:  # tied (a state dict's lm_head):
-                t = t.clone()  # safetensors refuses tensors sharing memory
-            storages.add(t.untyped_storage().data_ptr())
-            tensors[name] = t
         try:
-            save_file(tensors, str(tmp / WEIGHTS), metadata={"version": str(version)})
+            save_file(tensors, str(tmp / filename), metadata={"version": str(version)})
         except SafetensorError as exc:  # its I/O errors (a full disk) are not OSError
             raise _os_error(exc) from None
         size = sum(t.numel() * t.element_size() for t in tensors.values())
-        marker = {
-            "version": version,
-            "tensors": len(tensors),
-            "bytes": size,
-            "fingerprint": fingerprint(tensors.items()),
-        }
-        _write_synced(tmp / WEIGHTS, None)
+        marker = {"version": version, **marker, "bytes": size}
+        _write_synced(tmp / filename, None)
         _write_synced(tmp / MARKER, json.dumps(marker).encode())
         if final.exists():  # the same version again (a resumed run): move the old one aside
             os.replace(final, tmp.with_name(tmp.name + "-old"))  # (no server is asked for it)
@@ -124,6 +135,14 @@ def write_version(
         shutil.rmtree(tmp, ignore_errors=True)
         shutil.rmtree(tmp.with_name(tmp.name + "-old"), ignore_errors=True)
     return final
+
+
+def is_delta(directory: Path | str) -> bool:
+    """Whether a complete version holds a delta (`rollout.weights_delta`) rather than every
+    tensor; a version whose marker cannot be read counts as full (it is never loaded)."""
+    with contextlib.suppress(WeightsDirError):
+        return read_marker(directory).get("kind") == "delta"
+    return False
 
 
 def read_marker(directory: Path | str) -> dict:
@@ -222,10 +241,16 @@ def versions(root: Path | str) -> list[int]:
 def cleanup(root: Path | str, keep_from: int) -> list[int]:
     """Remove every complete version older than `keep_from` and any temporary directory a killed
     writer left (not one being written now: those of this process are kept); the removed
-    versions. The newest version is never removed."""
+    versions. The newest version is never removed, nor the deltas' full version: `keep_from`
+    is lowered to the newest full version at or below it (a server that comes back loads that
+    full version and the deltas after it, `rollout.weights_delta`)."""
     root = Path(root)
     present = versions(root)
     newest = present[-1] if present else None
+    first = min((v for v in present if v >= keep_from), default=newest)
+    if first is not None and is_delta(version_dir(root, first)):  # its chain from a full one
+        fulls = [v for v in present if v < first and not is_delta(version_dir(root, v))]
+        keep_from = min(keep_from, fulls[-1] if fulls else 0)
     removed = []
     for v in present:
         if v < keep_from and v != newest:

@@ -95,6 +95,7 @@ from bapo_cli.rollout.servers import (
     ServerPool,
     ServerTaken,
 )
+from bapo_cli.rollout.weights_delta import VersionWriter, serving_dtype
 from bapo_cli.rollout.weights_transfer import TRANSPORTS, TransferPool
 from bapo_cli.staleness import probe
 from bapo_cli.staleness.probe import probe_ids, trainer_logprobs
@@ -141,6 +142,8 @@ class ServerSettings:
     interrupt: bool
     probe_tolerance: float | None  # None: chosen from the dtypes at the first push
     quorum: Quorum  # how many must answer at start (rollout.min_servers)
+    delta: bool = False  # staleness.weights_delta: versions as deltas when fewer bytes
+    full_every: int = 10  # staleness.weights_full_every
 
     @classmethod
     def of(cls, cfg: Any) -> ServerSettings | None:
@@ -163,6 +166,8 @@ class ServerSettings:
                 resume=bool(cfg.trainer.resume),
                 every=staleness.weights == "nccl",
             ),
+            delta=bool(staleness.weights_delta),
+            full_every=int(staleness.weights_full_every),
         )
 
     def describe(self) -> str:
@@ -173,6 +178,8 @@ class ServerSettings:
             weights += f"{self.nccl_master})"
         else:
             weights = f"weights by file under {self.weights_dir or '<run dir>/weights'}"
+            if self.delta:  # rollout.weights_delta says when a version is written full
+                weights += f", as deltas where fewer bytes (a full one every {self.full_every})"
         pause = "; a push pauses responses mid-way (interrupt)" if self.interrupt else ""
         quorum = self.quorum.describe()
         count = len(self.urls)
@@ -313,6 +320,7 @@ class ServerWorker:
             pool.revive_mode = "wait"  # other ranks' requests may be running on a revived server
         self.pool = pool
         self.root = pool.weights_dir
+        self.writer = VersionWriter(settings.delta, settings.full_every, pool=pool)
         self.interrupt = settings.interrupt
         self.seed = collector.params.seed or 0
         self.probe = probe_ids(collector.tokenizer, int(settings.model.max_model_len))
@@ -408,6 +416,7 @@ class ServerWorker:
             self.notes.append(warning)
         served = [s.info.get("dtype") for s in self.pool.servers if s.info]
         dtypes = [str(next(model.parameters()).dtype), *[d for d in served if d]]
+        self.writer.dtype = serving_dtype(served) if self.writer.delta else None
         self.probe_tolerance = probe.tolerance(self.probe_tolerance, dtypes)
         self._record_probe(version)
         weights_fs.cleanup(self.root, keep_from=version)
@@ -449,13 +458,15 @@ class ServerWorker:
                 directory = None
                 self.pool.stage(lora.engine_weights(model), version)
             else:
-                directory = weights_fs.write_version(lora.engine_weights(model), self.root, version)
+                written = self.writer.write(lora.engine_weights(model), self.root, version)
+                directory = written.directory
             want = trainer_logprobs(model, self.probe)
             with self._lock:
                 self._written = (directory, version)
                 self._want = {version: want}
                 self._mine.append(version)
                 self._stats["write_s"] = time.perf_counter() - t0
+                self._stats.update(self.writer.metrics)  # push_bytes, push_delta
         return directory
 
     def publish(self, model: torch.nn.Module, version: int) -> None:

@@ -66,6 +66,15 @@ class StalenessConfig:
         "(every server must read it: a shared filesystem across machines); null = "
         "<run dir>/weights",
     )
+    weights_delta: bool = opt(
+        False,
+        "filesystem: write each version as what changed since the one before, in the servers' "
+        "dtype, where that is fewer bytes than every tensor (a full version at the start, every "
+        "staleness.weights_full_every and after a server comes back; docs/engines.md)",
+    )
+    weights_full_every: int = opt(
+        10, "filesystem with weights_delta: every how many versions one is written full"
+    )
     probe_tolerance: float | None = opt(
         None,
         "servers: the largest |server - trainer| log-prob (nats) of the probe text after a weight "
@@ -82,6 +91,14 @@ class StalenessConfig:
         _one_of("weights", self.weights, server_rules.WEIGHT_TRANSPORTS)
         if self.probe_tolerance is not None:
             _positive("probe_tolerance", self.probe_tolerance)
+        _positive("weights_full_every", self.weights_full_every)
+        if self.weights_delta and self.weights != "filesystem":
+            raise ConfigError(
+                "weights_delta",
+                True,
+                "writes versions as files for generation servers: needs "
+                "staleness.weights=filesystem",
+            )
         if self.interrupt and self.regime != "async":
             raise ConfigError(
                 "interrupt",
