@@ -54,6 +54,8 @@ def test_config_prints_bapo_section_with_paper_values() -> None:
         "interrupt": False,
         "weights": "shm",
         "weights_dir": None,
+        "weights_delta": False,
+        "weights_full_every": 10,
         "nccl_master": "127.0.0.1:29555",
         "probe_tolerance": None,
     }
