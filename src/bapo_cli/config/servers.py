@@ -5,7 +5,7 @@ These are rules on the config alone (no network; torch only to resolve model.dev
 `nccl`): the schema calls them from its
 `check()` methods so a bad combination costs one line before anything starts. Whether the
 servers answer and serve the run's model, and whether the weights directory can be written, is
-asked later by the CLI, still before the run dir is claimed (`staleness.servers.preflight`,
+asked later by the CLI, still before the run dir is claimed (`staleness.server_setup.preflight`,
 `evaluation.served.preflight`).
 
 Why each rule:

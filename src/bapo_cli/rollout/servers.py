@@ -427,7 +427,7 @@ class ServerPool:
 
     def _load_revived(self, server: Server) -> None:
         """Bring a server that came back to the newest version (a pool that does not push,
-        `staleness.servers.FollowerPool`, waits for the one that does)."""
+        `staleness.server_setup.FollowerPool`, waits for the one that does)."""
         self._push_one(server, self.published, self.version, mode=self.revive_mode)
 
     def held_version(self, server: Server) -> int:

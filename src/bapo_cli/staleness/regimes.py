@@ -45,7 +45,8 @@ from bapo_cli.config.errors import ConfigError
 from bapo_cli.data.tasks import Problem
 from bapo_cli.rollout.base import Sample
 from bapo_cli.rollout.collect import Collector
-from bapo_cli.staleness.servers import ServerSettings, ServerWorker
+from bapo_cli.staleness.server_setup import ServerSettings
+from bapo_cli.staleness.servers import ServerWorker
 from bapo_cli.staleness.worker import GenerationWorker, WorkerError, WorkerSpec
 
 if TYPE_CHECKING:
