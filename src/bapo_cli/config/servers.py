@@ -141,6 +141,7 @@ def check_train(cfg: Any) -> None:
             "checks the weight pushes to generation servers: needs rollout.servers=[URL,...]",
         )
     _check_min_servers(cfg.rollout.min_servers, servers, weights)
+    _check_servers_file(cfg.rollout.servers_file, servers, weights)
     if servers:
         why = ("rollout.servers", "generate in this process (drop rollout.servers)")
         check_vllm_temperature("rollout.temperature", cfg.rollout.temperature, *why)
@@ -163,6 +164,28 @@ def check_train(cfg: Any) -> None:
             "compares the trainer's and the engine's log-probs under the same weights; with "
             "rollout.servers the behaviour log-probs are the servers' own: use seq_mask=opsm, "
             "kpop or none",
+        )
+
+
+def _check_servers_file(path: str | None, servers: list[str], weights: str) -> None:
+    """rollout.servers_file changes a run's servers: it starts on rollout.servers, and an NCCL
+    group has no place for a member that joins later."""
+    if path is None:
+        return
+    key = "rollout.servers_file"
+    if not servers:
+        raise ConfigError(
+            key,
+            path,
+            "changes the servers of a run that starts on rollout.servers=[URL,...]: set them "
+            "(the servers the run starts on; the file is read again before each unit)",
+        )
+    if weights == "nccl":
+        raise ConfigError(
+            key,
+            path,
+            "adds servers mid-run, which an NCCL weight group cannot take (its members are "
+            "fixed when it opens): drop it, or use staleness.weights=filesystem",
         )
 
 
@@ -203,6 +226,13 @@ def check_eval(cfg: Any) -> None:
             "rollout.servers",
             list(cfg.rollout.servers),
             "bapo eval scores through one server: eval.server=URL",
+        )
+    if cfg.rollout.servers_file is not None:
+        raise ConfigError(
+            "rollout.servers_file",
+            cfg.rollout.servers_file,
+            "lists a training run's servers; bapo eval scores through one server "
+            "(eval.server=URL): drop it",
         )
     if cfg.rollout.min_servers is not None:
         raise ConfigError(

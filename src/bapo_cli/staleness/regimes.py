@@ -221,6 +221,11 @@ class Regime:
         """The generator's own numbers since the last call (generation servers: `servers/*`)."""
         return {}
 
+    def take_notes(self) -> list[str]:
+        """The generator's console lines since the last call (servers down, back, joined,
+        left)."""
+        return []
+
 
 @regime("reuse")
 @dataclass
@@ -521,6 +526,9 @@ class AsyncRL(Regime):
 
     def take_metrics(self) -> dict[str, float]:
         return getattr(self.worker, "take_metrics", dict)()
+
+    def take_notes(self) -> list[str]:
+        return getattr(self.worker, "take_notes", list)()
 
     def close(self) -> None:
         if self.worker is not None:

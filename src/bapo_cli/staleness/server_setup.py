@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from bapo_cli.config.servers import check_master
-from bapo_cli.rollout import lease, weights_fs
+from bapo_cli.rollout import lease, membership, weights_fs
 from bapo_cli.rollout.claims import Owner
 from bapo_cli.rollout.pools import pool_for
 from bapo_cli.rollout.quorum import Quorum
@@ -36,6 +36,7 @@ class ServerSettings:
     interrupt: bool
     probe_tolerance: float | None  # None: chosen from the dtypes at the first push
     quorum: Quorum  # how many must answer at start (rollout.min_servers)
+    servers_file: str | None = None  # rollout.servers_file: read before each unit (join, leave)
 
     @classmethod
     def of(cls, cfg: Any) -> ServerSettings | None:
@@ -58,6 +59,7 @@ class ServerSettings:
                 resume=bool(cfg.trainer.resume),
                 every=staleness.weights == "nccl",
             ),
+            servers_file=cfg.rollout.servers_file,
         )
 
     def describe(self) -> str:
@@ -69,9 +71,10 @@ class ServerSettings:
         pause = "; a push pauses responses mid-way (interrupt)" if self.interrupt else ""
         quorum = self.quorum.describe()
         count = len(self.urls)
+        joins = f"; then those {self.servers_file} lists" if self.servers_file else ""
         return (
             f"{count} vLLM server{'s' if count > 1 else ''} ({', '.join(self.urls)}"
-            f"{'; ' + quorum if quorum else ''}), {weights}{pause}"
+            f"{'; ' + quorum if quorum else ''}{joins}), {weights}{pause}"
         )
 
 
@@ -156,6 +159,11 @@ def preflight(cfg: Any) -> None:
     settings = ServerSettings.of(cfg)
     if settings is None:
         return
+    if settings.servers_file is not None:
+        try:
+            membership.read(settings.servers_file)
+        except membership.ServersFileError as exc:
+            raise ServerError(str(exc)) from None
     if settings.weights_dir is not None:
         weights_fs.check_writable(Path(settings.weights_dir).expanduser())
     pool = make_pool(settings)

@@ -80,6 +80,7 @@ from bapo_cli.rollout import weights_fs
 from bapo_cli.rollout.base import Sample, eos_ids
 from bapo_cli.rollout.claims import Owner
 from bapo_cli.rollout.collect import Collector
+from bapo_cli.rollout.membership import ServersFile
 from bapo_cli.rollout.server_engine import ServerEngine
 from bapo_cli.rollout.servers import (
     NoServerLeft,
@@ -98,6 +99,22 @@ from bapo_cli.staleness.worker import POLL_S, WorkerError, unit_seed
 
 CLOSE_WAIT_S = 10.0  # how long close() waits for the generation thread (it sees the close <= 2 s)
 RUN_FILE = "RUN"  # in a run's own weights directory: which run writes there
+
+
+EVENT_METRICS = {"down": "downs", "back": "backs", "join": "joins", "leave": "leaves"}
+EVENT_WORDS = {
+    "down": "server down: {}; its requests go to the others, and it is asked every 2 s",
+    "back": "server back: {}",
+    "join": "server joined: {}",
+    "leave": "server left: {} (it takes no more requests; none was cut off)",
+    "refused": "warning: server not taken in: {}",
+}
+
+
+def event_line(event: str) -> str:
+    """The console's line for a pool event (`ServerPool.events`: its kind, then the rest)."""
+    kind, _, rest = event.partition(" ")
+    return EVENT_WORDS.get(kind, "server {}").format(rest if kind in EVENT_WORDS else event)
 
 
 class ServingStopped(WorkerError):
@@ -162,6 +179,10 @@ class ServerWorker:
         self.probe_tolerance = settings.probe_tolerance  # None: chosen in _start
         self.quorum = settings.quorum
         self.notes: list[str] = []  # warnings for the trainer to show (servers left down)
+        # rollout.servers_file: read before each unit; servers added join, servers removed leave
+        self.members = ServersFile(settings.servers_file) if settings.servers_file else None
+        self._said: list[str] = []  # lines for the console not yet taken (`take_notes`)
+        self._noted = self._counted = 0  # pool events taken as lines, as metrics
         self.engine = ServerEngine(
             pool, eos_ids(model, collector.tokenizer), interrupt=self.interrupt
         )
@@ -198,6 +219,7 @@ class ServerWorker:
         except BaseException:  # a stop signal's abandonment: the pushes still waiting end now
             self.pool.close()
             raise
+        self._noted = self._counted = len(self.pool.events)  # the start's: in the warning
         self._thread = threading.Thread(target=self._run, name="bapo-servers", daemon=True)
         self._thread.start()
 
@@ -215,6 +237,11 @@ class ServerWorker:
         DistContext): its servers, weights directory and sampling."""
         root = weights_root(settings, run_dir)
         follower = group is not None and group.world_size > 1 and group.rank > 0
+        if settings.servers_file and group is not None and group.world_size > 1:
+            raise WorkerError(
+                "rollout.servers_file is not supported under --nproc (the ranks would have to "
+                "agree on each change); list the servers in rollout.servers, or use one process"
+            )
         owner = None if follower else Owner.of_run(run_dir)  # rank 0 alone claims and writes
         try:
             if owner is not None:
@@ -357,10 +384,22 @@ class ServerWorker:
             stats, self._stats = self._stats, {}
             resent = sum(s.resent for s in self.pool.servers)
             new, self._resent = resent - self._resent, resent
+            events, self._counted = self.pool.events[self._counted :], len(self.pool.events)
         out = {f"servers/{k}": v for k, v in stats.items()}
         out["servers/alive"] = float(sum(s.alive for s in self.pool.servers))
         out["servers/resent"] = float(new)
+        kinds = [e.split(" ", 1)[0] for e in events]
+        for kind, key in EVENT_METRICS.items():
+            out[f"servers/{key}"] = float(kinds.count(kind))
         return out
+
+    def take_notes(self) -> list[str]:
+        """One console line per server event since the last call (down, back, join, leave, a
+        server refused when it answered again) and the servers file's warnings."""
+        with self._lock:
+            events, self._noted = self.pool.events[self._noted :], len(self.pool.events)
+            said, self._said = self._said, []
+        return said + [event_line(e) for e in events]
 
     def close(self) -> None:
         """Stop the generation thread (answers still coming are not waited for), release the
@@ -408,6 +447,7 @@ class ServerWorker:
         try:
             while (item := self._requests.get()) is not None:
                 unit, required = item
+                self._membership()
                 self._catch_up()
                 if self.pool.version < required:  # the invariant the staleness bound rests on
                     raise RuntimeError(
@@ -429,6 +469,22 @@ class ServerWorker:
             return
         except BaseException as exc:  # noqa: BLE001  (handed to the trainer by receive)
             self._results.put(("error", exc))
+
+    def _membership(self) -> None:
+        """rollout.servers_file read again, between units: none of this run's requests is on a
+        server then, so a server that leaves loses nothing; one that joins is taken in as a
+        server that came back is (checked, claimed, given the newest version) before it gets a
+        request. A file that cannot be used is a warning: the run keeps its servers."""
+        if self.members is None:
+            return
+        change, warning = self.members.poll([s.url for s in self.pool.servers])
+        if warning is not None:
+            with self._lock:
+                self._said.append(f"warning: {warning}")
+        for url in change.leaves:
+            self.pool.leave(url)
+        for url in change.joins:
+            self.pool.join(url)
 
     def _catch_up(self) -> None:
         """Push the newest written version to every live server if they hold an older one (from
