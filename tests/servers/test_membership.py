@@ -160,6 +160,30 @@ def test_a_server_that_answers_empty_as_it_dies_is_down_and_its_requests_go_else
         pool.close()
 
 
+def test_a_server_answering_5xx_is_down_and_one_with_another_model_is_refused_once() -> None:
+    """The fault table's rows (docs/engines.md): an HTTP 500 is a down server, its request
+    re-sent; a server that joins (or comes back) serving another model is not taken in, said
+    once as a `refused` event (a console warning), however often it is asked again."""
+    with FakeServer() as a, FakeServer() as b, FakeServer() as other:
+        pool = ServerPool([a.url, b.url], expect=IDENTITY, max_model_len=256)
+        pool.revive_s = 0.05
+        pool.start(0)
+        a.routes[GENERATE] = lambda *x: Status(500, b'{"error": "internal"}')
+        other.routes["/collective_rpc"] = lambda *x: {
+            "results": [{"architectures": ["LlamaForCausalLM"], "vocab_size": 300}]
+        }
+        pool.join(other.url)
+        gens = generate(pool, 8)
+        assert {g.server for g in gens} == {b.url}
+        assert wait_until(lambda: bool(generate(pool)) and other.asked("/collective_rpc") >= 3, 20)
+        kinds = [e.split(" ", 2)[:2] for e in pool.events]
+        assert ["down", a.url + ":"] in kinds  # (back when its health answers, down again)
+        assert kinds.count(["refused", other.url + ":"]) == 1, pool.events
+        line = event_line(next(e for e in pool.events if e.startswith("refused")))
+        assert line.startswith(f"warning: server not taken in: the server {other.url} serves")
+        pool.close()
+
+
 def test_a_live_server_that_answers_empty_still_stops_the_call_in_one_line() -> None:
     with FakeServer() as a, FakeServer() as b:
         pool = ServerPool([a.url, b.url], expect=IDENTITY, max_model_len=256)

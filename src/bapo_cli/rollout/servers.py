@@ -101,7 +101,7 @@ CLOSE_TIMEOUT_S = 2.0  # close(): each abort/resume call; a run's stop must not 
 REVIVE_S = 2.0  # how often a down server is asked whether it is back
 POLL_S = 0.2
 MAX_ABORTS = 3  # a request vLLM aborted this many times: the server is refused, not asked again
-GONE_WAIT_S = 1.0  # after a malformed answer, health is asked again this much later (`_gone`)
+GONE_WAIT_S = 0.25  # after a malformed answer, health is asked again this much later (`_gone`)
 
 
 class NoServerLeft(ServerError):

@@ -114,6 +114,8 @@ EVENT_WORDS = {
 def event_line(event: str) -> str:
     """The console's line for a pool event (`ServerPool.events`: its kind, then the rest)."""
     kind, _, rest = event.partition(" ")
+    if kind == "refused":  # the check's own line names the server
+        rest = rest.partition(": ")[2]
     return EVENT_WORDS.get(kind, "server {}").format(rest if kind in EVENT_WORDS else event)
 
 
