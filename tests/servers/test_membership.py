@@ -22,7 +22,8 @@ from bapo_cli.rollout import membership
 from bapo_cli.rollout.base import Request
 from bapo_cli.rollout.claims import Owner
 from bapo_cli.rollout.membership import Change, ServersFile, ServersFileError
-from bapo_cli.rollout.servers import GENERATE, ServerFault, ServerPool
+from bapo_cli.rollout.servers import GENERATE, ServerError, ServerFault, ServerPool
+from bapo_cli.staleness import server_setup
 from bapo_cli.staleness.servers import event_line
 from bapo_cli.trainer.train import train
 from tests.servers.hostile import FakeServer, Status, wait_until
@@ -101,6 +102,22 @@ def test_the_config_rules_of_the_servers_file() -> None:
     assert preflight("train", [*base, *servers]).config.rollout.servers_file == "/x"
     with pytest.raises(PreflightError, match="rollout.servers_file.*NCCL weight group"):
         preflight("train", [*base, *servers, "staleness.weights=nccl", "model.device=cuda"])
+    with pytest.raises(PreflightError, match="rollout.servers_file=/x: changes a training run's"):
+        preflight("eval", ["rollout.servers_file=/x"])
+
+
+def test_a_bad_file_at_start_is_refused_before_the_run_dir(tmp_path: Path) -> None:
+    """`bapo train`'s look before the run dir (staleness.server_setup.preflight): the file is
+    read first, so no server is asked about a run that would not start."""
+    path = tmp_path / "servers.txt"
+    path.write_text("http://127.0.0.1:1\nhttp//127.0.0.1:2\n")
+    servers = ["rollout.servers=[http://127.0.0.1:1]", f"rollout.servers_file={path}"]
+    cfg = preflight("train", [*FAST, *ASYNC_ON, *servers]).config
+    with pytest.raises(ServerError) as info:
+        server_setup.preflight(cfg)
+    assert str(info.value).startswith(
+        f"rollout.servers_file {path} line 2: 'http//127.0.0.1:2' is not a server URL;"
+    )
 
 
 # ------------------------------------------------------------------------------ the pool

@@ -227,20 +227,17 @@ def check_eval(cfg: Any) -> None:
             list(cfg.rollout.servers),
             "bapo eval scores through one server: eval.server=URL",
         )
-    if cfg.rollout.servers_file is not None:
-        raise ConfigError(
-            "rollout.servers_file",
-            cfg.rollout.servers_file,
-            "lists a training run's servers; bapo eval scores through one server "
-            "(eval.server=URL): drop it",
-        )
-    if cfg.rollout.min_servers is not None:
-        raise ConfigError(
-            "rollout.min_servers",
-            cfg.rollout.min_servers,
-            "counts a training run's rollout.servers; bapo eval scores through one server "
-            "(eval.server=URL): drop it",
-        )
+    for key, value, verb in (
+        ("rollout.min_servers", cfg.rollout.min_servers, "counts"),
+        ("rollout.servers_file", cfg.rollout.servers_file, "changes"),
+    ):
+        if value is not None:
+            raise ConfigError(
+                key,
+                value,
+                f"{verb} a training run's rollout.servers; bapo eval scores through one server "
+                "(eval.server=URL): drop it",
+            )
     if cfg.eval.server is not None:
         check_url("eval.server", cfg.eval.server)
         why = ("eval.server", "score in this process (drop eval.server)")
