@@ -220,8 +220,9 @@ def test_a_live_server_that_answers_empty_still_stops_the_call_in_one_line() -> 
 def test_a_run_takes_a_server_in_and_lets_one_go_through_its_servers_file(tmp_path: Path) -> None:
     """A run on A with a servers file: a bad file (one warning, the run goes on), then B added
     (joins at the newest version; A's answers wait until B holds a version, so the later units
-    meet both), then A removed (leaves: no request of A's after the unit in flight). One
-    console line each; `servers/joins|leaves` count them; every prompt group trained once."""
+    meet both), B failing once (down, then back), then A removed (leaves: no request of A's
+    after the unit in flight). One console line each; `servers/joins|leaves|downs|backs` count
+    them; every prompt group trained once."""
     steps, k = 8, 2
     run_dir, path = tmp_path / "run", tmp_path / "servers.txt"
     with FakeServer() as a, FakeServer() as b:
@@ -240,7 +241,12 @@ def test_a_run_takes_a_server_in_and_lets_one_go_through_its_servers_file(tmp_pa
             ],
         ).config
         lock, seen = threading.Lock(), Counter()
-        after_leave: list[str] = []
+        after_leave: list[int] = []
+
+        def back() -> bool:  # B checked again after its failure (its join was the first), then
+            asked = list(b.requests)  # given a version
+            checks = [i for i, p in enumerate(asked) if p == "/v1/models"]
+            return len(checks) >= 2 and "/update_weight_version" in asked[checks[1] :]
 
         def route(fake, query, body):
             generating = body and body["sampling_params"].get("prompt_logprobs") is None
@@ -252,11 +258,14 @@ def test_a_run_takes_a_server_in_and_lets_one_go_through_its_servers_file(tmp_pa
                     path.write_text("htp://half-written\n")
                 elif fake is a and seen[a.url] == 64:
                     path.write_text(f"{a.url}\n{b.url}\n")
-                elif fake is b and seen[b.url] == 16:
+                elif fake is b and seen[b.url] == 4:  # B fails once: down, then back
+                    return Status(500, b'{"error": "internal"}')
+                elif fake is b and seen[b.url] >= 16 and not after_leave and back():
                     path.write_text(f"{b.url}\n")
-                    after_leave.append("written")
-            if fake is a and seen[a.url] > 64:  # A waits until B holds a version
-                wait_until(lambda: b.asked("/update_weight_version") > 0, 30)
+                    after_leave.append(seen[a.url])  # A's answers when it was taken out
+            if fake is a and seen[a.url] > 64:  # A waits until B holds a version (again)
+                joined = lambda: b.asked("/update_weight_version") > 0  # noqa: E731
+                wait_until(back if seen[b.url] >= 4 else joined, 30)
             return answering(fake, query, body)
 
         a.routes[GENERATE] = b.routes[GENERATE] = route
@@ -276,9 +285,14 @@ def test_a_run_takes_a_server_in_and_lets_one_go_through_its_servers_file(tmp_pa
     history = result.history
     assert sum(h["servers/joins"] for h in history) == 1
     assert sum(h["servers/leaves"] for h in history) == 1
+    assert sum(h["servers/downs"] for h in history) == sum(h["servers/backs"] for h in history) == 1
+    down = f"server down: {b.url}: HTTP 500: "
+    rest = "; its requests go to the others, and it is asked every 2 s"
+    assert [x for x in printed if x.startswith(down)] == [down + '{"error": "internal"}' + rest]
+    assert len([x for x in printed if x.startswith(f"server back: {b.url} at version ")]) == 1
     alive = [h["servers/alive"] for h in history]
     assert 2.0 in alive and alive[-1] == 1.0, alive  # (generation runs k units ahead)
-    assert after_leave and a_total <= 64 + 32 + 32, a_total  # at most the unit in flight after
+    assert after_leave and a_total - after_leave[0] <= 32, (after_leave, a_total)  # in flight
     assert int(b.version) >= 3  # it joined, and later pushes moved it on
     rows = [json.loads(x) for x in (run_dir / "samples.jsonl").read_text().splitlines()]
     counts = Counter(r["group"] for r in rows)
