@@ -18,7 +18,9 @@ docs/engines.md#async-rl-on-generation-servers.
   again, given the newest version, then used. An aborted response is re-sent (`MAX_ABORTS`).
 - An answer no healthy server sends (`server_answers`: ids outside the vocabulary, more tokens
   than asked, log-probs that are no probabilities, versions never pushed) is a `ServerFault`
-  that ends the call in one line: it would repeat, so it is not re-sent.
+  that ends the call in one line: it would repeat, so it is not re-sent; unless the server's
+  health then fails (`_gone`: a vLLM server killed mid-answer may send `{}`): down, re-sent.
+- Servers `join` and `leave` a running pool (`rollout.membership`); `events` says each change.
 - A push pauses every live server, reloads the version in place (`bapo_reload`, checked by the
   fingerprint it read), resets the prefix cache with its running requests, stamps the version
   and resumes. The probe (staleness.probe), not the calls returning, says it arrived.

@@ -53,6 +53,11 @@ comes back is used again once it holds the newest version (rank 0 gives it that)
 the write and the probe forwards) made by the trainer inside `DistContext.gathered`, where each rank
 holds the full weights and a forward is no collective.
 
+**Membership.** With `rollout.servers_file` the generation thread reads the file before each
+unit (`_membership`), when none of this run's requests is on a server: a server removed leaves
+with nothing cut off, one added joins as a server that came back does. Every pool event (down,
+back, join, leave, refused) is one console line (`take_notes`) and counted (`take_metrics`).
+
 **Failures.** A server that dies or stalls has its requests re-sent to the others
 (`ServerPool`); each request has one answer, so each prompt group is trained exactly once. With
 none left, `receive` raises `ServersDown` (a `WorkerError` the trainer answers with one line and
