@@ -54,7 +54,7 @@ def test_a_server_joins_a_running_job_and_another_leaves_it(fleet, tmp_path) -> 
     trainer = train_in_background(run_dir, *args, base=base)
     joined, left = f"server joined: {url1} at version ", f"server left: {url0} (it takes no"
     try:
-        watched(lambda: _steps_logged(run_dir) >= 2, 300, "two steps on server 0", trainer)
+        watched(lambda: _steps_logged(run_dir) >= 1, 300, "a step on server 0", trainer)
         assert holders(url1) == []  # not the run's yet
         before = finished_requests(url1)
         path.write_text(f"{url0}\n{url1}\n")
@@ -63,14 +63,14 @@ def test_a_server_joins_a_running_job_and_another_leaves_it(fleet, tmp_path) -> 
 
         def took_requests() -> bool:  # beyond the probes it answered (one per push)
             time.sleep(0.5)  # /metrics is no free call
-            return finished_requests(url1) - before > _steps_logged(run_dir) - at_join + 12
+            return finished_requests(url1) - before > _steps_logged(run_dir) - at_join + 8
 
         watched(took_requests, 300, "requests on the server that joined", trainer)
         path.write_text(f"# server 0 is needed elsewhere\n{url1}\n")
         watched(lambda: left in logged(log), 120, "the leave line", trainer)
         assert holders(url0) == []  # released at once, not left to lapse
         asked = finished_requests(url0)
-        more = _steps_logged(run_dir) + 3
+        more = _steps_logged(run_dir) + 2
         watched(lambda: _steps_logged(run_dir) >= more, 300, "steps on server 1 alone", trainer)
         assert finished_requests(url0) == asked  # nothing more, not even a probe
         trainer.send_signal(signal.SIGTERM)
@@ -105,7 +105,7 @@ def test_a_server_joins_a_running_job_and_another_leaves_it(fleet, tmp_path) -> 
     checked = [probes[s] for s in both if s in probes]
     assert checked and max(probes.values()) <= LOGPROB_TOL, probes
     print(  # noqa: T201
-        f"\njoined at step {at_join}, left by step {more - 3}, stopped at {steps}; server 1 "
+        f"\njoined at step {at_join}, left by step {more - 2}, stopped at {steps}; server 1 "
         f"finished {finished_requests(url1) - before:.0f} requests; the probe after "
         f"{len(checked)} pushes with both: |server - trainer| <= {max(checked):.1e}"
     )
