@@ -119,6 +119,9 @@ def test_a_resume_while_a_server_is_down_trains_on_the_other_and_takes_it_back(
             resumed.kill()
     assert resumed.returncode == 128 + signal.SIGTERM, err[-3000:]
     assert log.read_text().count(warning) == 1
+    # the pool's events in the run log: server 1 back once (its start-down is the warning's)
+    assert log.read_text().count(f"server back: {url} at version ") == 1
+    assert f"server down: {url}" not in log.read_text()
 
     rows = records(run_dir)  # the kill's unsaved steps were trimmed at the resume
     steps = max(r["step"] for r in rows)

@@ -25,8 +25,8 @@ from bapo_cli.config.preflight import preflight
 from bapo_cli.rollout.base import Request, SamplingParams
 from bapo_cli.rollout.quorum import Quorum
 from bapo_cli.rollout.servers import GENERATE, ServerError, ServerPool, TooFewServers
-from bapo_cli.staleness import servers as staleness_servers
-from bapo_cli.staleness.servers import ServerSettings
+from bapo_cli.staleness import server_setup as staleness_servers
+from bapo_cli.staleness.server_setup import ServerSettings
 from bapo_cli.trainer.train import train
 from tests.servers.conftest import free_port
 from tests.servers.hostile import FakeServer, generation, healthy_generate, wait_until

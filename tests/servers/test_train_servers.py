@@ -404,13 +404,11 @@ def test_a_server_killed_mid_run_then_none_left(fleet, tmp_path) -> None:
     _, err = trainer.communicate(timeout=120)
     assert trainer.returncode == 1, err[-3000:]
     line = err.strip().splitlines()[-1]
-    # the usual end is "every server is down"; a vLLM server killed mid-answer may first send
-    # `{}` (seen once in CI beside the first pass): the run then stops on that answer, nothing
-    # of it trained, with the same checkpoint and resume line
+    # a vLLM server killed mid-answer may first send `{}` (seen once in CI beside the first
+    # pass): its health then fails, so it is a down server like any other (rollout.servers
+    # `_gone`), not a malformed answer that stops the run
     m = re.fullmatch(
-        r"error: (?:every generation server is down \((.*)\); restart them and resume "
-        r"|http://127\.0\.0\.1:\d+ answered the generate route without a choice: \{\}; "
-        r"nothing of it was trained: fix or replace that server, then resume )"
+        r"error: every generation server is down \((.*)\); restart them and resume "
         r"\(trainer\.resume=true\); step (?P<step>\d+) is saved: (?P<dir>\S+)",
         line,
     )

@@ -15,7 +15,7 @@ from rich.console import Console
 from bapo_cli.config.preflight import preflight
 from bapo_cli.launch.plan import train_rows
 from bapo_cli.rollout.base import engine_class
-from bapo_cli.staleness.servers import ServerSettings
+from bapo_cli.staleness.server_setup import ServerSettings
 from bapo_cli.staleness.source import sample_source
 from bapo_cli.staleness.worker import WorkerSpec
 from bapo_cli.trainer.run import Run

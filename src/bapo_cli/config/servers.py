@@ -5,7 +5,7 @@ These are rules on the config alone (no network; torch only to resolve model.dev
 `nccl`): the schema calls them from its
 `check()` methods so a bad combination costs one line before anything starts. Whether the
 servers answer and serve the run's model, and whether the weights directory can be written, is
-asked later by the CLI, still before the run dir is claimed (`staleness.servers.preflight`,
+asked later by the CLI, still before the run dir is claimed (`staleness.server_setup.preflight`,
 `evaluation.served.preflight`).
 
 Why each rule:
@@ -150,6 +150,7 @@ def check_train(cfg: Any) -> None:
             "checks the weight pushes to generation servers: needs rollout.servers=[URL,...]",
         )
     _check_min_servers(cfg.rollout.min_servers, servers, weights)
+    _check_servers_file(cfg.rollout.servers_file, servers, weights)
     if servers:
         why = ("rollout.servers", "generate in this process (drop rollout.servers)")
         check_vllm_temperature("rollout.temperature", cfg.rollout.temperature, *why)
@@ -172,6 +173,29 @@ def check_train(cfg: Any) -> None:
             "compares the trainer's and the engine's log-probs under the same weights; with "
             "rollout.servers the behaviour log-probs are the servers' own: use seq_mask=opsm, "
             "kpop or none",
+        )
+
+
+def _check_servers_file(path: str | None, servers: list[str], weights: str) -> None:
+    """rollout.servers_file changes a run's servers: it starts on rollout.servers; joins are
+    tested with filesystem pushes only."""
+    if path is None:
+        return
+    key = "rollout.servers_file"
+    if not servers:
+        raise ConfigError(
+            key,
+            path,
+            "changes the servers of a run that starts on rollout.servers=[URL,...]: set them "
+            "(the servers the run starts on; the file is read again before each unit)",
+        )
+    if weights in ("nccl", "gloo"):
+        raise ConfigError(
+            key,
+            path,
+            f"adds servers mid-run, which is built for weights by file only (a {weights} weight "
+            "group is rebuilt when a server comes back, but a server joining one is not "
+            "tested): drop it, or use staleness.weights=filesystem",
         )
 
 
@@ -213,13 +237,17 @@ def check_eval(cfg: Any) -> None:
             list(cfg.rollout.servers),
             "bapo eval scores through one server: eval.server=URL",
         )
-    if cfg.rollout.min_servers is not None:
-        raise ConfigError(
-            "rollout.min_servers",
-            cfg.rollout.min_servers,
-            "counts a training run's rollout.servers; bapo eval scores through one server "
-            "(eval.server=URL): drop it",
-        )
+    for key, value, verb in (
+        ("rollout.min_servers", cfg.rollout.min_servers, "counts"),
+        ("rollout.servers_file", cfg.rollout.servers_file, "changes"),
+    ):
+        if value is not None:
+            raise ConfigError(
+                key,
+                value,
+                f"{verb} a training run's rollout.servers; bapo eval scores through one server "
+                "(eval.server=URL): drop it",
+            )
     if cfg.eval.server is not None:
         check_url("eval.server", cfg.eval.server)
         why = ("eval.server", "score in this process (drop eval.server)")

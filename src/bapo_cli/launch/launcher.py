@@ -85,7 +85,7 @@ def check_servers(config_name: str, cfg: Any) -> None:
     the weights directory can be written: else `Refused`, nothing written (no run dir yet).
     Imported only when servers are named: the check needs torch."""
     if config_name == "train" and cfg.rollout.servers:
-        from bapo_cli.staleness.servers import preflight as look
+        from bapo_cli.staleness.server_setup import preflight as look
     elif config_name == "eval" and cfg.eval.server is not None:
         from bapo_cli.evaluation.served import preflight as look
     else:

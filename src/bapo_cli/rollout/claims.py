@@ -132,6 +132,14 @@ class Claims:
         self._thread = threading.Thread(target=beat, name="bapo-lease", daemon=True)
         self._thread.start()
 
+    def drop(self, url: str) -> None:
+        """Give one server back while the others stay claimed (it left the run): no longer
+        renewed, released on the server (one that does not answer lets the lease lapse)."""
+        with self._lock:
+            grant = self.grants.pop(url, None)
+        if grant is not None and not self.released:
+            self.rpc(url, "bapo_release", [self.owner.run, self.owner.nonce])
+
     def release(self, urls: list[str]) -> None:
         """Stop the heartbeat (a renewal after the release would claim again), then give the
         servers back (a server that does not answer lets the lease lapse)."""

@@ -18,7 +18,9 @@ docs/engines.md#async-rl-on-generation-servers.
   again, given the newest version, then used. An aborted response is re-sent (`MAX_ABORTS`).
 - An answer no healthy server sends (`server_answers`: ids outside the vocabulary, more tokens
   than asked, log-probs that are no probabilities, versions never pushed) is a `ServerFault`
-  that ends the call in one line: it would repeat, so it is not re-sent.
+  that ends the call in one line: it would repeat, so it is not re-sent; unless the server's
+  health then fails (`_gone`: a vLLM server killed mid-answer may send `{}`): down, re-sent.
+- Servers `join` and `leave` a running pool (`rollout.membership`); `events` says each change.
 - A push pauses every live server, reloads the version in place (`bapo_reload`, checked by the
   fingerprint it read), resets the prefix cache with its running requests, stamps the version
   and resumes. The probe (staleness.probe), not the calls returning, says it arrived.
@@ -101,6 +103,7 @@ REQUEST_TIMEOUT_S = 600.0  # one response, all told (a healthy server's longest)
 REVIVE_S = 2.0  # how often a down server is asked whether it is back
 POLL_S = 0.2
 MAX_ABORTS = 3  # a request vLLM aborted this many times: the server is refused, not asked again
+GONE_WAIT_S = 0.25  # after a malformed answer, health is asked again this much later (`_gone`)
 
 
 class NoServerLeft(ServerError):
@@ -127,6 +130,7 @@ class Server:
     last_error: str = ""
     vocab_size: int | None = None  # what it said at its check (token ids are below it)
     info: dict[str, Any] | None = None  # its worker extension's bapo_model_info, at the check
+    joining: bool = False  # added mid-run (`join`), not yet taken in
 
 
 class ServerPool:
@@ -180,7 +184,9 @@ class ServerPool:
         # when other processes send it requests too (data-parallel ranks share the servers)
         self.revive_mode = "abort"
         self.closed = threading.Event()  # close(): generate() stops waiting for answers
-        self.events: list[str] = []  # one line per server going down or coming back
+        # one line per server going down, coming back, joining, leaving, or answering but
+        # refused when it came back; the first word says which (down, back, join, leave, refused)
+        self.events: list[str] = []
         # who holds the servers (None: claims nothing, and a server a run holds refuses its
         # pushes); `base`: the fingerprint of the model pushed weights derive from, recorded
         # by the server for `bapo eval` (weights_fs.model_fingerprint)
@@ -352,8 +358,13 @@ class ServerPool:
                         server.resent += 1
                         todo.appendleft(i)  # whole, to another server
                         continue
-                    except ServerFault:
-                        raise  # the server's own fault, one line: not re-sent (module docstring)
+                    except ServerFault as exc:
+                        if not self._gone(server):  # a live server's own fault: not re-sent
+                            raise
+                        self._down(server, Unreachable(f"died answering ({exc})"))
+                        server.resent += 1
+                        todo.appendleft(i)  # whole, to another server
+                        continue
                     if out[i] is not None:  # a request has one result: never reached
                         raise RuntimeError(f"request {i} answered twice")
                     out[i] = gen
@@ -380,6 +391,20 @@ class ServerPool:
             server.last_error = str(exc)
             server.next_probe = time.monotonic() + self.revive_s
             self.events.append(f"down {server.url}: {exc}")
+
+    def _gone(self, server: Server) -> bool:
+        """After a malformed answer: whether the server is dying (its health refused, failed
+        or unanswered, now or a moment later), as a vLLM server killed mid-answer is: it may
+        send `{}` for the requests it held before its socket closes. Its answer is then no
+        fault of a live server but the end of a dead one."""
+        for wait_s in (0.0, GONE_WAIT_S):
+            if self.closed.wait(wait_s):
+                return False
+            try:
+                call(server.url, "GET", "/health", None, self.check_timeout_s)
+            except ServerError:
+                return True
+        return False
 
     def _all_down(self) -> None:
         detail = "; ".join(f"{s.url}: {s.last_error or 'down'}" for s in self.servers)
@@ -414,22 +439,55 @@ class ServerPool:
         except ServerError:
             return False  # still down: `last_error` keeps why it went down
         with self.lock:
+            if not any(s is server for s in self.servers):  # it left while health was asked
+                return False
             try:
                 self._check_one(server)
                 self._load_revived(server)
             except (ServerDown, Unreachable):
                 return False
             except ServerError as exc:  # back, but refused: another run holds it, another model
+                if server.last_error != str(exc):  # said once, not every REVIVE_S
+                    self.events.append(f"refused {server.url}: {exc}")
                 server.last_error = str(exc)
                 return False
             server.alive = True
-            self.revivals += 1
-        self.events.append(f"back {server.url} at version {self.version}")
+            self.revivals += 1  # a join too: it holds none of the deltas' chain
+            kind, server.joining = ("join" if server.joining else "back"), False
+        self.events.append(f"{kind} {server.url} at version {self.version}")
         return True
+
+    # ---------------------------------------------------------------------------- membership
+
+    def join(self, url: str) -> None:
+        """Take a server in mid-run (`rollout.membership`): it starts down and is revived as a
+        server that came back is (checked as at start, claimed, given the newest version, then
+        sent requests), at once."""
+        url = validate_url(url)
+        with self.lock:
+            if any(s.url == url for s in self.servers):
+                return
+            server = Server(url, joining=True, last_error="joining")
+            self.servers = [*self.servers, server]  # a new list: other threads read the old
+
+    def leave(self, url: str) -> None:
+        """Let a server go mid-run: it takes no more requests, its claim is released, and the
+        pool forgets it. Called between units (`staleness.servers`), when none of this run's
+        requests is on it: what it answered was kept, nothing is cut off."""
+        with self.lock:
+            gone = [s for s in self.servers if s.url == url]
+            if not gone:
+                return
+            if gone[0].in_flight:
+                raise RuntimeError(f"{url} left holding {gone[0].in_flight} requests")
+            self.servers = [s for s in self.servers if s.url != url]
+        if self.claims is not None:
+            self.claims.drop(url)
+        self.events.append(f"leave {url}")
 
     def _load_revived(self, server: Server) -> None:
         """Bring a server that came back to the newest version (a pool that does not push,
-        `staleness.servers.FollowerPool`, waits for the one that does)."""
+        `staleness.server_setup.FollowerPool`, waits for the one that does)."""
         self._push_one(server, self.published, self.version, mode=self.revive_mode)
 
     def held_version(self, server: Server) -> int:

@@ -45,7 +45,8 @@ from bapo_cli.config.errors import ConfigError
 from bapo_cli.data.tasks import Problem
 from bapo_cli.rollout.base import Sample
 from bapo_cli.rollout.collect import Collector
-from bapo_cli.staleness.servers import ServerSettings, ServerWorker
+from bapo_cli.staleness.server_setup import ServerSettings
+from bapo_cli.staleness.servers import ServerWorker
 from bapo_cli.staleness.worker import GenerationWorker, WorkerError, WorkerSpec
 
 if TYPE_CHECKING:
@@ -219,6 +220,11 @@ class Regime:
     def take_metrics(self) -> dict[str, float]:
         """The generator's own numbers since the last call (generation servers: `servers/*`)."""
         return {}
+
+    def take_notes(self) -> list[str]:
+        """The generator's console lines since the last call (servers down, back, joined,
+        left)."""
+        return []
 
 
 @regime("reuse")
@@ -520,6 +526,9 @@ class AsyncRL(Regime):
 
     def take_metrics(self) -> dict[str, float]:
         return getattr(self.worker, "take_metrics", dict)()
+
+    def take_notes(self) -> list[str]:
+        return getattr(self.worker, "take_notes", list)()
 
     def close(self) -> None:
         if self.worker is not None:

@@ -53,6 +53,11 @@ comes back is used again once it holds the newest version (rank 0 gives it that)
 the write and the probe forwards) made by the trainer inside `DistContext.gathered`, where each rank
 holds the full weights and a forward is no collective.
 
+**Membership.** With `rollout.servers_file` the generation thread reads the file before each
+unit (`_membership`), when none of this run's requests is on a server: a server removed leaves
+with nothing cut off, one added joins as a server that came back does. Every pool event (down,
+back, join, leave, refused) is one console line (`take_notes`) and counted (`take_metrics`).
+
 **Failures.** A server that dies or stalls has its requests re-sent to the others
 (`ServerPool`); each request has one answer, so each prompt group is trained exactly once. With
 none left, `receive` raises `ServersDown` (a `WorkerError` the trainer answers with one line and
@@ -66,25 +71,21 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import hashlib
 import queue
 import random
 import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from bapo_cli.config.servers import check_master
 from bapo_cli.models import lora
-from bapo_cli.rollout import lease, weights_fs
+from bapo_cli.rollout import weights_fs
 from bapo_cli.rollout.base import Sample, eos_ids
 from bapo_cli.rollout.claims import Owner
 from bapo_cli.rollout.collect import Collector
-from bapo_cli.rollout.pools import pool_for
-from bapo_cli.rollout.quorum import Quorum
+from bapo_cli.rollout.membership import ServersFile
 from bapo_cli.rollout.server_engine import ServerEngine
 from bapo_cli.rollout.servers import (
     NoServerLeft,
@@ -96,13 +97,32 @@ from bapo_cli.rollout.servers import (
     ServerTaken,
 )
 from bapo_cli.rollout.weights_delta import VersionWriter, serving_dtype
-from bapo_cli.rollout.weights_transfer import TRANSPORTS, TransferPool
+from bapo_cli.rollout.weights_transfer import TransferPool
 from bapo_cli.staleness import probe
 from bapo_cli.staleness.probe import probe_ids, trainer_logprobs
+from bapo_cli.staleness.server_setup import FollowerPool, ServerSettings, make_pool, weights_root
 from bapo_cli.staleness.worker import POLL_S, WorkerError, unit_seed
 
 CLOSE_WAIT_S = 10.0  # how long close() waits for the generation thread (it sees the close <= 2 s)
 RUN_FILE = "RUN"  # in a run's own weights directory: which run writes there
+
+
+EVENT_METRICS = {"down": "downs", "back": "backs", "join": "joins", "leave": "leaves"}
+EVENT_WORDS = {
+    "down": "server down: {}; its requests go to the others, and it is asked every 2 s",
+    "back": "server back: {}",
+    "join": "server joined: {}",
+    "leave": "server left: {} (it takes no more requests; none was cut off)",
+    "refused": "warning: server not taken in: {}",
+}
+
+
+def event_line(event: str) -> str:
+    """The console's line for a pool event (`ServerPool.events`: its kind, then the rest)."""
+    kind, _, rest = event.partition(" ")
+    if kind == "refused":  # the check's own line names the server
+        rest = rest.partition(": ")[2]
+    return EVENT_WORDS.get(kind, "server {}").format(rest if kind in EVENT_WORDS else event)
 
 
 class ServingStopped(WorkerError):
@@ -126,165 +146,6 @@ class ServerFailed(ServingStopped):
 
 class PushFailed(ServerError):
     """A probe after a push shows a server without this run's weights (staleness.probe)."""
-
-
-@dataclass(frozen=True)
-class ServerSettings:
-    """The async regime's servers and how weights reach them, read from the config once (`of`):
-    the run plan describes them and the run uses them."""
-
-    urls: tuple[str, ...]
-    model: Any  # ModelConfig: the model every server must serve
-    weights: str  # filesystem | nccl | gloo
-    weights_dir: str | None  # staleness.weights_dir (None: the run dir's weights/)
-    nccl_master: str | None
-    stall_s: float
-    interrupt: bool
-    probe_tolerance: float | None  # None: chosen from the dtypes at the first push
-    quorum: Quorum  # how many must answer at start (rollout.min_servers)
-    delta: bool = False  # staleness.weights_delta: versions as deltas when fewer bytes
-    full_every: int = 10  # staleness.weights_full_every
-
-    @classmethod
-    def of(cls, cfg: Any) -> ServerSettings | None:
-        """From a TrainConfig; None without rollout.servers."""
-        if not cfg.rollout.servers:
-            return None
-        staleness = cfg.staleness
-        return cls(
-            urls=tuple(cfg.rollout.servers),
-            model=cfg.model,
-            weights=staleness.weights,
-            weights_dir=staleness.weights_dir,
-            nccl_master=staleness.nccl_master,
-            stall_s=float(cfg.rollout.server_stall_s),
-            interrupt=bool(staleness.interrupt),
-            probe_tolerance=staleness.probe_tolerance,
-            quorum=Quorum.of(
-                cfg.rollout.min_servers,
-                len(cfg.rollout.servers),
-                resume=bool(cfg.trainer.resume),
-                every=staleness.weights == "nccl",
-            ),
-            delta=bool(staleness.weights_delta),
-            full_every=int(staleness.weights_full_every),
-        )
-
-    def describe(self) -> str:
-        """The run plan's line: the servers, how weights reach them, whether a push pauses."""
-        if self.weights in TRANSPORTS:
-            label = TRANSPORTS[self.weights].label
-            weights = f"weights by {label} through vLLM's weight transfer (group at "
-            weights += f"{self.nccl_master})"
-        else:
-            weights = f"weights by file under {self.weights_dir or '<run dir>/weights'}"
-            if self.delta:  # rollout.weights_delta says when a version is written full
-                weights += f", as deltas where fewer bytes (a full one every {self.full_every})"
-        pause = "; a push pauses responses mid-way (interrupt)" if self.interrupt else ""
-        quorum = self.quorum.describe()
-        count = len(self.urls)
-        return (
-            f"{count} vLLM server{'s' if count > 1 else ''} ({', '.join(self.urls)}"
-            f"{'; ' + quorum if quorum else ''}), {weights}{pause}"
-        )
-
-
-def weights_root(settings: ServerSettings, run_dir: Path | None) -> Path:
-    """Where this run's versions are written: `<staleness.weights_dir>/run-<id>` (a directory of
-    its own, named for the run's identity: two runs given one weights_dir never touch each
-    other's versions, and a resumed run finds its own), else `<run dir>/weights`; absolute,
-    since the servers read the paths the trainer sends from their own working directories."""
-    if run_dir is None:
-        raise ValueError("the weights directory is named for the run: it needs the run dir")
-    if settings.weights_dir is not None:
-        run = Owner.of_run(run_dir).run
-        key = hashlib.sha256(run.encode()).hexdigest()[:12]
-        return (Path(settings.weights_dir).expanduser() / f"run-{key}").resolve()
-    return (Path(run_dir) / "weights").resolve()
-
-
-class FollowerPool(ServerPool):
-    """The pool of a data-parallel rank other than 0: it sends requests but never loads weights
-    (rank 0 does, module docstring); `adopt` takes rank 0's word after each push."""
-
-    def push(self, directory: Path | None, version: int, *, interrupt: bool) -> None:
-        raise RuntimeError("a follower rank's pool does not push weights (rank 0 does)")
-
-    @property
-    def newest_version(self) -> int | None:
-        """Rank 0 may have pushed the next version before this rank adopts it (`_share`), never
-        the one after: that push follows a step this rank takes part in."""
-        return self.version + 1
-
-    def adopt(self, version: int, alive: list[str]) -> None:
-        """Rank 0 pushed `version` to the servers `alive`: the others are down here too (they
-        come back through `revive`, once they hold it)."""
-        with self.lock:
-            self.version = version
-            for server in self.servers:
-                if server.url in alive:
-                    server.version = version
-                else:
-                    self._down(server, ServerError(f"it missed rank 0's push of version {version}"))
-
-    def _load_revived(self, server: Any) -> None:
-        held = self.held_version(server)
-        if held < self.version:
-            raise ServerError(f"{server.url} holds version {held}, not yet {self.version}")
-        server.version = held
-
-
-def make_pool(
-    settings: ServerSettings,
-    root: Path | None = None,
-    *,
-    follower: bool = False,
-    owner: Owner | None = None,
-) -> ServerPool:
-    """The pool over the servers (`pool_for`); `follower`: a data-parallel rank other than 0
-    (`FollowerPool`); rank 0 under staleness.weights=nccl|gloo a `TransferPool`; `owner`: the
-    run that claims the servers (rank 0's), None to claim nothing (the preflight's look)."""
-    options: dict[str, Any] = {"weights_dir": root, "owner": owner}
-    kind: type[ServerPool] = FollowerPool if follower else ServerPool
-    if settings.weights in TRANSPORTS and not follower:  # rank 0 pushes through vLLM's API
-        host, port = check_master("staleness.nccl_master", settings.nccl_master)
-        kind = TransferPool  # on the policy's device, set by ServerWorker._start
-        options.update(transport=settings.weights, device="cpu", master_address=host)
-        options.update(master_port=port)
-    return pool_for(
-        settings.urls,
-        settings.model,
-        stall_s=settings.stall_s,
-        fingerprint=owner is not None,
-        kind=kind,
-        **options,
-    )
-
-
-def preflight(cfg: Any) -> None:
-    """What the CLI asks before the run dir is claimed (no weights loaded): the weights directory
-    can be written, enough servers answer (`rollout.min_servers`), every one that does serves the
-    run's model and is held by no other run (a look, no claim: the run claims its servers when it
-    starts; a resumed run may find its own killed process holding them, which it takes over
-    then). `ServerError` or `weights_fs.WeightsDirError`, one line each; nothing for a run
-    without servers. The servers that do not answer are warned of when the run starts."""
-    settings = ServerSettings.of(cfg)
-    if settings is None:
-        return
-    if settings.weights_dir is not None:
-        weights_fs.check_writable(Path(settings.weights_dir).expanduser())
-    pool = make_pool(settings)
-    pool.check(settings.quorum)
-    if cfg.trainer.resume:
-        return
-    hint = Owner("", "train").refused_hint()
-    for server in (s for s in pool.servers if s.alive):
-        state = pool.rpc(server.url, "bapo_leases", [])
-        holders = state[0].get("holders", []) if state else []
-        if holders:
-            first = min(holders, key=lambda h: (h.get("kind") != "train", -h.get("left_s", 0)))
-            answer = {"holder": first.get("run"), "kind": first.get("kind")}
-            raise ServerTaken(lease.refusal(server.url, answer | first, hint))
 
 
 def _servers_logprobs(samples: list[Sample]) -> None:
@@ -327,6 +188,10 @@ class ServerWorker:
         self.probe_tolerance = settings.probe_tolerance  # None: chosen in _start
         self.quorum = settings.quorum
         self.notes: list[str] = []  # warnings for the trainer to show (servers left down)
+        # rollout.servers_file: read before each unit; servers added join, servers removed leave
+        self.members = ServersFile(settings.servers_file) if settings.servers_file else None
+        self._said: list[str] = []  # lines for the console not yet taken (`take_notes`)
+        self._noted = self._counted = 0  # pool events taken as lines, as metrics
         self.engine = ServerEngine(
             pool, eos_ids(model, collector.tokenizer), interrupt=self.interrupt
         )
@@ -363,6 +228,7 @@ class ServerWorker:
         except BaseException:  # a stop signal's abandonment: the pushes still waiting end now
             self.pool.close()
             raise
+        self._noted = self._counted = len(self.pool.events)  # the start's: in the warning
         self._thread = threading.Thread(target=self._run, name="bapo-servers", daemon=True)
         self._thread.start()
 
@@ -380,6 +246,11 @@ class ServerWorker:
         DistContext): its servers, weights directory and sampling."""
         root = weights_root(settings, run_dir)
         follower = group is not None and group.world_size > 1 and group.rank > 0
+        if settings.servers_file and group is not None and group.world_size > 1:
+            raise WorkerError(
+                "rollout.servers_file is not supported under --nproc (the ranks would have to "
+                "agree on each change); list the servers in rollout.servers, or use one process"
+            )
         owner = None if follower else Owner.of_run(run_dir)  # rank 0 alone claims and writes
         try:
             if owner is not None:
@@ -525,10 +396,22 @@ class ServerWorker:
             stats, self._stats = self._stats, {}
             resent = sum(s.resent for s in self.pool.servers)
             new, self._resent = resent - self._resent, resent
+            events, self._counted = self.pool.events[self._counted :], len(self.pool.events)
         out = {f"servers/{k}": v for k, v in stats.items()}
         out["servers/alive"] = float(sum(s.alive for s in self.pool.servers))
         out["servers/resent"] = float(new)
+        kinds = [e.split(" ", 1)[0] for e in events]
+        for kind, key in EVENT_METRICS.items():
+            out[f"servers/{key}"] = float(kinds.count(kind))
         return out
+
+    def take_notes(self) -> list[str]:
+        """One console line per server event since the last call (down, back, join, leave, a
+        server refused when it answered again) and the servers file's warnings."""
+        with self._lock:
+            events, self._noted = self.pool.events[self._noted :], len(self.pool.events)
+            said, self._said = self._said, []
+        return said + [event_line(e) for e in events]
 
     def close(self) -> None:
         """Stop the generation thread (answers still coming are not waited for), release the
@@ -576,6 +459,7 @@ class ServerWorker:
         try:
             while (item := self._requests.get()) is not None:
                 unit, required = item
+                self._membership()
                 self._catch_up()
                 if self.pool.version < required:  # the invariant the staleness bound rests on
                     raise RuntimeError(
@@ -597,6 +481,22 @@ class ServerWorker:
             return
         except BaseException as exc:  # noqa: BLE001  (handed to the trainer by receive)
             self._results.put(("error", exc))
+
+    def _membership(self) -> None:
+        """rollout.servers_file read again, between units: none of this run's requests is on a
+        server then, so a server that leaves loses nothing; one that joins is taken in as a
+        server that came back is (checked, claimed, given the newest version) before it gets a
+        request. A file that cannot be used is a warning: the run keeps its servers."""
+        if self.members is None:
+            return
+        change, warning = self.members.poll([s.url for s in self.pool.servers])
+        if warning is not None:
+            with self._lock:
+                self._said.append(f"warning: {warning}")
+        for url in change.leaves:
+            self.pool.leave(url)
+        for url in change.joins:
+            self.pool.join(url)
 
     def _catch_up(self) -> None:
         """Push the newest written version to every live server if they hold an older one (from

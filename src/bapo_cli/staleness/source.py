@@ -10,7 +10,7 @@ from typing import Any
 
 from bapo_cli.rollout.base import EngineChoice, choose
 from bapo_cli.staleness.regimes import REGIMES
-from bapo_cli.staleness.servers import ServerSettings
+from bapo_cli.staleness.server_setup import ServerSettings
 
 __all__ = ["TRAINER", "WORKER", "SERVERS", "SampleSource", "parallel_refusal", "sample_source"]
 

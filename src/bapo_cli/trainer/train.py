@@ -152,6 +152,8 @@ def _loop(run: Run, tracker: Any, stop: GracefulStop) -> bool:
             stop.step_started = time.monotonic()
             metrics = _train_step(run, stop, tracker)
             stop.last_step_s = time.monotonic() - stop.step_started
+            for line in run.regime.take_notes():  # generation servers down, back, joined, left
+                progress.note(line)
             metrics.update(run.prompts.take_grading())  # reward/timeouts|over_budget, grade_s
             metrics = run.ctx.mean_metrics(metrics)
             stopping = agree(run, stop)[0]

@@ -42,6 +42,13 @@ class RolloutConfig:
         "the others are warned of, then taken in when they answer; null = all for a new run, 1 "
         "for a resume (trainer.resume=true), docs/engines.md",
     )
+    servers_file: str | None = opt(
+        None,
+        "rollout.servers: a file of server URLs, one a line, read again before each unit: a URL "
+        "added joins the run (checked, given the newest weights, then sent requests), a URL "
+        "taken out leaves it (after the unit in flight); the run starts on rollout.servers; "
+        "null = the servers are fixed, docs/engines.md",
+    )
     server_stall_s: float = opt(
         30.0,
         "rollout.servers, eval.server: a server holding requests that does not answer GET "
