@@ -66,6 +66,9 @@ def test_a_server_joins_a_running_job_and_another_leaves_it(fleet, tmp_path) -> 
             return finished_requests(url1) - before > _steps_logged(run_dir) - at_join + 8
 
         watched(took_requests, 300, "requests on the server that joined", trainer)
+        # a step logged whole after the join (servers/alive is read when a step is logged)
+        both = at_join + 2
+        watched(lambda: _steps_logged(run_dir) >= both, 300, "a step on both", trainer)
         path.write_text(f"# server 0 is needed elsewhere\n{url1}\n")
         watched(lambda: left in logged(log), 120, "the leave line", trainer)
         assert holders(url0) == []  # released at once, not left to lapse
