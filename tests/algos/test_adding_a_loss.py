@@ -21,6 +21,7 @@ from bapo_cli.config.preflight import to_validated
 from bapo_cli.launch import plan
 from bapo_cli.rollout.scoring import ResponseLogits, collate
 from bapo_cli.trainer.step_metrics import step_metrics
+from bapo_cli.trainer.throughput import StepTimes
 from bapo_cli.trainer.update import Learner, loss_spec, optimizer_update
 from tests.algos.test_losses import LOSS_METRICS
 from tests.train.test_distributed import _global_batch, _model
@@ -124,12 +125,7 @@ def test_a_registered_loss_trains_through_the_unchanged_update(toy) -> None:
         {},
         [m],
         optimizer,
-        rollout_s=1.0,
-        train_s=1.0,
-        sync_s=0.0,
-        step_s=2.0,
-        new_tokens=1,
-        trained_tokens=1,
+        times=StepTimes(1.0, 1.0, 0.0, 2.0, 1, 1),
         searched=spec.searches_bounds,
     )
     assert (logged["actor/c_low"], logged["actor/c_high"]) == (0.9, 1.1)

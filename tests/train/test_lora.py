@@ -87,12 +87,14 @@ def test_resume_continues_like_an_unbroken_run_and_merge_lora_writes_a_plain_mod
 
 
 def test_lora_with_the_async_worker_is_refused_in_one_line(tmp_path: Path) -> None:
-    from bapo_cli.trainer.train import TrainingError
+    """At the config check, before anything is written (the worker process takes no adapter;
+    generation servers take the merged weights: tests/servers/test_eval_watch.py)."""
+    from bapo_cli.config.preflight import PreflightError
 
-    with pytest.raises(TrainingError) as err:
-        run_train(tmp_path, *LORA, "staleness.regime=async")
-    assert str(err.value).startswith("model.lora with staleness.regime=async:")
-    assert "\n" not in str(err.value)
+    with pytest.raises(PreflightError) as err:
+        run_train(tmp_path / "run", *LORA, "staleness.regime=async")
+    assert str(err.value).startswith("model.lora.rank=4: with staleness.regime=async needs ")
+    assert "\n" not in str(err.value) and not (tmp_path / "run").exists()
 
 
 def test_the_plan_says_lora_is_on(tmp_path: Path) -> None:

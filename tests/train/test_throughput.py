@@ -13,6 +13,7 @@ from bapo_cli.trainer import throughput
 from bapo_cli.trainer.progress import summary_table
 from bapo_cli.trainer.throughput import (
     ScoreClock,
+    StepTimes,
     flops_per_token,
     mfu,
     peak_flops,
@@ -78,14 +79,20 @@ def test_mfu_on_a_hand_computed_case() -> None:
 
 def test_stage_metrics_divide_counted_tokens_by_the_stages_seconds() -> None:
     out = stage_metrics(
-        rollout_s=10.0,
-        new_tokens=800,
-        train_s=5.0,
-        trained_tokens=2000,
-        sync_s=0.75,
-        scored=((2.0, 400), (1.0, 600)),  # behaviour scoring in the rollout, proximal in updates
-        per_token=6e6,
-        peak=1e12,
+        StepTimes(
+            rollout_s=10.0,
+            train_s=5.0,
+            sync_s=0.75,
+            step_s=16.0,
+            new_tokens=800,
+            trained_tokens=2000,
+            scored=(
+                (2.0, 400),
+                (1.0, 600),
+            ),  # behaviour scoring in the rollout, proximal in updates
+            per_token=6e6,
+            peak=1e12,
+        )
     )
     assert out == {
         "perf/rollout_tokens_per_s": 800 / 8.0,  # the rollout's 10 s less its 2 s of scoring
@@ -95,14 +102,17 @@ def test_stage_metrics_divide_counted_tokens_by_the_stages_seconds() -> None:
         "perf/update_mfu": pytest.approx(2000 * 6e6 / (4.0 * 1e12)),  # 3e-3
     }
     cpu = stage_metrics(
-        rollout_s=1.0,
-        new_tokens=10,
-        train_s=1.0,
-        trained_tokens=10,
-        sync_s=0.0,
-        scored=((0.0, 0), (0.0, 0)),  # nothing scored by the trainer (servers' log-probs)
-        per_token=1.0,
-        peak=None,
+        StepTimes(
+            rollout_s=1.0,
+            train_s=1.0,
+            sync_s=0.0,
+            step_s=2.0,
+            new_tokens=10,
+            trained_tokens=10,
+            scored=((0.0, 0), (0.0, 0)),  # nothing scored by the trainer (servers' log-probs)
+            per_token=1.0,
+            peak=None,
+        )
     )
     assert "perf/update_mfu" not in cpu and "perf/score_tokens_per_s" not in cpu
 

@@ -14,6 +14,7 @@ from bapo_cli.rollout.scoring import ResponseLogits, collate, token_logprobs
 from bapo_cli.trainer.optimize import account_update
 from bapo_cli.trainer.run import TrainState
 from bapo_cli.trainer.step_metrics import step_metrics
+from bapo_cli.trainer.throughput import StepTimes
 from bapo_cli.trainer.update import Learner, LossSpec, UpdateResult, optimizer_update
 from tests.train.test_distributed import SPEC, _global_batch, _model
 
@@ -48,12 +49,7 @@ def _log(updates, searched: bool) -> dict[str, float]:
         {},
         updates,
         optimizer,
-        rollout_s=1.0,
-        train_s=1.0,
-        sync_s=0.0,
-        step_s=2.0,
-        new_tokens=3,
-        trained_tokens=3,
+        times=StepTimes(1.0, 1.0, 0.0, 2.0, 3, 3),
         searched=searched,
     )
 

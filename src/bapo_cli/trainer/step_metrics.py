@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from bapo_cli.algos.bounds import rho_from_sums
-from bapo_cli.trainer.throughput import stage_metrics
+from bapo_cli.trainer.throughput import StepTimes, stage_metrics
 from bapo_cli.trainer.update import RHO_SUMS
 
 __all__ = ["step_metrics"]
@@ -42,19 +42,17 @@ MAXIMA = {
 
 
 def step_metrics(
-    batch, adv_stats, updates, optimizer, *, searched: bool, **perf: float
+    batch, adv_stats, updates, optimizer, *, searched: bool, times: StepTimes
 ) -> dict[str, float]:
     """The step's logged numbers. Every loss reports its bounds and the positive share of the
     active mass (`actor/c_low`, `actor/c_high`, `actor/rho`); a loss that searches its bounds
-    (`searched`, BAPO) also logs the search under `bapo/`. `perf`: the step's rollout_s,
-    train_s, sync_s, step_s, new_tokens and trained_tokens, and for the time per stage
-    (`trainer.throughput`) the scoring clock's readings (`scored`), the update's FLOPs per token
-    (`per_token`) and the chip's peak (`peak`, None: no MFU).
+    (`searched`, BAPO) also logs the search under `bapo/`. `times`: the step's seconds and
+    token counts, for `perf/` and the time per stage (`trainer.throughput`).
 
     rho and rho_before are weighted by mass over the step's updates, sum(pos) / sum(pos + neg):
     an update without active mass (rho = 1 by convention) adds nothing, and
     `actor/zero_mass_frac` says how many there were."""
-    out = {**_samples(batch, adv_stats), **_perf(**perf)}
+    out = {**_samples(batch, adv_stats), **_perf(times)}
     out["actor/lr"] = optimizer.param_groups[0]["lr"]
     out["actor/updates"] = float(len(updates))
     out["actor/skipped_steps"] = sum(u["skipped"] for u in updates)
@@ -97,30 +95,10 @@ def _samples(batch: list[Any], adv_stats: dict[str, Any]) -> dict[str, float]:
     }
 
 
-def _perf(
-    *,
-    rollout_s: float,
-    train_s: float,
-    sync_s: float,
-    step_s: float,
-    new_tokens: float,
-    trained_tokens: float,
-    scored: tuple[tuple[float, int], tuple[float, int]] = ((0.0, 0), (0.0, 0)),
-    per_token: float = 0.0,
-    peak: float | None = None,
-) -> dict[str, float]:
+def _perf(t: StepTimes) -> dict[str, float]:
     return {
-        "perf/step_s": step_s,
-        "perf/rollout_s": rollout_s,
-        "perf/train_tokens_per_s": trained_tokens / max(train_s, 1e-9),
-        **stage_metrics(
-            rollout_s=rollout_s,
-            new_tokens=new_tokens,
-            train_s=train_s,
-            trained_tokens=trained_tokens,
-            sync_s=sync_s,
-            scored=scored,
-            per_token=per_token,
-            peak=peak,
-        ),
+        "perf/step_s": t.step_s,
+        "perf/rollout_s": t.rollout_s,
+        "perf/train_tokens_per_s": t.trained_tokens / max(t.train_s, 1e-9),
+        **stage_metrics(t),
     }

@@ -33,7 +33,15 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["PEAK_FLOPS", "ScoreClock", "flops_per_token", "mfu", "peak_flops", "stage_metrics"]
+__all__ = [
+    "PEAK_FLOPS",
+    "ScoreClock",
+    "StepTimes",
+    "flops_per_token",
+    "mfu",
+    "peak_flops",
+    "stage_metrics",
+]
 
 TERA = 1e12
 # dense peak FLOP/s per GPU (no structured sparsity): (name fragment, bf16/fp16 tensor core,
@@ -113,29 +121,35 @@ class ScoreClock:
         return out
 
 
-def stage_metrics(
-    *,
-    rollout_s: float,
-    new_tokens: float,
-    train_s: float,
-    trained_tokens: float,
-    sync_s: float,
-    scored: tuple[tuple[float, int], tuple[float, int]],
-    per_token: float,
-    peak: float | None,
-) -> dict[str, float]:
-    """The step's stage metrics (module docstring); `scored`: the scoring clock's (seconds,
-    tokens) inside the rollout and inside the updates."""
-    (roll_score_s, roll_tokens), (train_score_s, train_tokens) = scored
+@dataclass(frozen=True)
+class StepTimes:
+    """One step's seconds and token counts, which its time per stage is computed from.
+    `scored`: the scoring clock's (seconds, tokens) inside the rollout and inside the updates;
+    `per_token`: the update's FLOPs per trained token; `peak`: the chip's (None: no MFU)."""
+
+    rollout_s: float
+    train_s: float
+    sync_s: float
+    step_s: float
+    new_tokens: float
+    trained_tokens: float
+    scored: tuple[tuple[float, int], tuple[float, int]] = ((0.0, 0), (0.0, 0))
+    per_token: float = 0.0
+    peak: float | None = None
+
+
+def stage_metrics(t: StepTimes) -> dict[str, float]:
+    """The step's stage metrics (module docstring)."""
+    (roll_score_s, roll_tokens), (train_score_s, train_tokens) = t.scored
     score_s, score_tokens = roll_score_s + train_score_s, roll_tokens + train_tokens
-    update_s = max(train_s - train_score_s, 1e-9)
+    update_s = max(t.train_s - train_score_s, 1e-9)
     out = {
-        "perf/rollout_tokens_per_s": new_tokens / max(rollout_s - roll_score_s, 1e-9),
-        "perf/update_tokens_per_s": trained_tokens / update_s,
-        "perf/weight_sync_s": sync_s,
+        "perf/rollout_tokens_per_s": t.new_tokens / max(t.rollout_s - roll_score_s, 1e-9),
+        "perf/update_tokens_per_s": t.trained_tokens / update_s,
+        "perf/weight_sync_s": t.sync_s,
     }
     if score_tokens:
         out["perf/score_tokens_per_s"] = score_tokens / max(score_s, 1e-9)
-    if peak is not None:
-        out["perf/update_mfu"] = mfu(trained_tokens, update_s, per_token, peak)
+    if t.peak is not None:
+        out["perf/update_mfu"] = mfu(t.trained_tokens, update_s, t.per_token, t.peak)
     return out
