@@ -47,9 +47,10 @@ _OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
 
 class ReloadProxy(ThreadingHTTPServer):
-    """Forwards every request to `target`, but answers `bapo_reload` itself: `canned` as the
-    extension answered before fingerprints (version, tensors, seconds), `forged` with a real
-    lease renewal from the server and the written marker's fingerprint. Nothing is reloaded."""
+    """Forwards every request to `target`, but answers `bapo_reload` and `bapo_push` itself:
+    `canned` as the extension answered before fingerprints (version, tensors, seconds), `forged`
+    with a real lease renewal from the server and the written marker's fingerprint. Nothing is
+    reloaded."""
 
     request_queue_size = 512  # the pool keeps up to 128 requests in flight per server
     daemon_threads = True
@@ -91,6 +92,14 @@ class _Handler(BaseHTTPRequestHandler):
             asked = json.loads(body)
             if asked.get("method") == "bapo_reload":
                 self._send(200, json.dumps(self.server.answer_reload(asked["args"])).encode())
+                return
+            if asked.get("method") == "bapo_push":  # the push the pool makes (server_push.py)
+                spec = json.loads(asked["args"][0])
+                args = [spec["steps"][-1][0], str(spec["version"]), spec["run"], spec["nonce"]]
+                answer = self.server.answer_reload([*args, spec["base"], str(spec["lease_s"])])
+                for result in answer["results"]:  # done "in one call", as the extension says
+                    result["fused"] = True
+                self._send(200, json.dumps(answer).encode())
                 return
         self._relay(body)
 
