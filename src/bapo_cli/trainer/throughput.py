@@ -29,7 +29,8 @@ import re
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -98,26 +99,37 @@ def mfu(tokens: float, seconds: float, per_token: float, peak: float) -> float:
 
 @dataclass
 class ScoreClock:
-    """Seconds and response tokens of the trainer's scoring forwards, read per stage (`take`)."""
+    """Seconds and response tokens of the trainer's scoring forwards, read per stage (`take`).
+
+    On a CUDA device a block is timed by a pair of CUDA events and read at `take`, once a stage:
+    synchronising at each block's end would add a host sync to every micro-batch."""
 
     seconds: float = 0.0
     tokens: int = 0
+    events: list[tuple[Any, Any]] = field(default_factory=list)  # CUDA (start, end) unread
 
     @contextmanager
     def timing(self, tokens: int, device: torch.device | None = None) -> Iterator[None]:
-        """Time the block; a CUDA device is synchronised at its end (its kernels run on after
-        the call returns)."""
+        """Time the block (its kernels, on a CUDA `device`)."""
+        self.tokens += int(tokens)
+        if device is not None and device.type == "cuda":
+            start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+            start.record()
+            yield
+            end.record()
+            self.events.append((start, end))
+            return
         t0 = time.perf_counter()
         yield
-        if device is not None and device.type == "cuda":
-            torch.cuda.synchronize(device)
         self.seconds += time.perf_counter() - t0
-        self.tokens += int(tokens)
 
     def take(self) -> tuple[float, int]:
         """(seconds, tokens) since the last take."""
+        for start, end in self.events:
+            end.synchronize()
+            self.seconds += start.elapsed_time(end) / 1000.0  # ms
         out = (self.seconds, self.tokens)
-        self.seconds, self.tokens = 0.0, 0
+        self.seconds, self.tokens, self.events = 0.0, 0, []
         return out
 
 
