@@ -293,9 +293,10 @@ def test_a_run_takes_a_server_in_and_lets_one_go_through_its_servers_file(tmp_pa
     assert [x for x in printed if x.startswith(down)] == [down + '{"error": "internal"}' + rest]
     assert len([x for x in printed if x.startswith(f"server back: {b.url} at version ")]) == 1
     alive = [h["servers/alive"] for h in history]
-    # a gauge read when a step is logged: B's time beside A (between its join and A's leave,
-    # with its failure in between) may fall between two steps, so 2 need not be among them
-    assert alive[0] == 1.0 and alive[-1] == 1.0 and set(alive) <= {1.0, 2.0}, alive
+    # a gauge read when a step is logged, while generation runs up to k units ahead: B may have
+    # joined before step 1 is logged (CI: 2 at step 1), and its time beside A may fall between
+    # two steps; only the last step is sure to see one server (A left during the run)
+    assert alive[-1] == 1.0 and set(alive) <= {1.0, 2.0}, alive
     assert after_leave and a_total - after_leave[0] <= 32, (after_leave, a_total)  # in flight
     assert int(b.version) >= 3  # it joined, and later pushes moved it on
     rows = [json.loads(x) for x in (run_dir / "samples.jsonl").read_text().splitlines()]
