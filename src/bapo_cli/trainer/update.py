@@ -18,6 +18,11 @@ under data parallelism: W ranks then equal one process that trains on all ranks'
 each searched on its own, whatever number of micro-batches each rank runs. The exact all-rank
 search is `bound_scope=minibatch`.
 
+Nothing in the micro-batch loop reads a tensor to the host (on a GPU each read would stall the
+device once per micro-batch): the losses' metrics and bounds stay on the device, and `_step`
+reads them once per update (`_host_metrics`), beside the tallies, the gradient norm, the ESS and
+the quadrant table (docs/training.md, "Host reads in the update"; tests/train/test_host_reads.py).
+
 Aggregation across micro-batches is exact: each micro-batch's loss is divided by the mini-batch's
 token (or sequence) count, not its own, so the accumulated gradient equals the mini-batch loss's.
 Every update logs the ESS of its sequences' importance weights, behaviour -> current (`ess`).
