@@ -18,6 +18,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import io
+import math
 import sys
 from collections import Counter
 from pathlib import Path
@@ -28,7 +29,9 @@ from rich.console import Console
 from torch.overrides import TorchFunctionMode
 
 from bapo_cli.algos.bapo_algorithm1 import BoundAccumulator
+from bapo_cli.algos.bapo_locator import bin_sums
 from bapo_cli.algos.bapo_recipe import RecipeAccumulator
+from bapo_cli.algos.core import rounded
 from bapo_cli.config.preflight import preflight
 from bapo_cli.rollout import scoring
 from bapo_cli.rollout.base import Sample
@@ -232,3 +235,21 @@ def test_scoring_and_the_proximal_recompute_read_nothing_per_micro_batch(tmp_pat
     assert not [r for r in four if r.in_loop], four
     assert four == two, f"reads that grow with the micro-batches: 2 -> {two}, 4 -> {four}"
     assert Read("tolist", "record_scored", False) in two  # scoring read once
+
+
+def test_what_replaced_a_read_gives_the_same_numbers() -> None:
+    """`rounded` without a tensor is torch's cast; `bin_sums` is bincount's float64 sums, bit
+    for bit (the same additions in the same order on the CPU)."""
+    g = torch.Generator().manual_seed(3)
+    values = torch.randn(2000, generator=g, dtype=torch.float64) * 10.0 ** torch.randint(
+        -8, 9, (2000,), generator=g
+    )
+    for dtype in (torch.float32, torch.float64):
+        like = torch.zeros(1, dtype=dtype)
+        for v in [*values.tolist(), 1e39, -1e39, 3.4028235e38, math.inf, 0.8, 1.28]:
+            assert rounded(v, like) == torch.tensor(v, dtype=dtype).item(), (v, dtype)
+    for n, size in ((0, 5), (7, 3), (100_000, 57)):
+        count = torch.randint(0, size, (n,), generator=g, dtype=torch.int32)
+        mass = torch.rand(n, generator=g, dtype=torch.float64) * 1e3
+        want = torch.bincount(count, weights=mass, minlength=size)
+        assert torch.equal(bin_sums(count, mass, size), want)
