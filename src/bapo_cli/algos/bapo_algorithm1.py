@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from bapo_cli.algos.bapo_locator import Locator, build_locator, keyed_inputs
+from bapo_cli.algos.bapo_locator import Locator, bin_sums, build_locator, keyed_inputs
 from bapo_cli.algos.bapo_path import (
     PAPER,
     BapoBounds,
@@ -86,7 +86,7 @@ class BoundAccumulator(PathAccumulator, rule="paper"):
     >>> bounds = acc.solve(rho0=0.4, group=dist.group.WORLD)  # doctest: +SKIP
 
     `add` bins each token's mass by the path point where it changes activity (one table look-up
-    and one bincount, no host sync) into a float64 vector of length K + 3. `solve`
+    and one `bin_sums`, no host sync) into a float64 vector of length K + 3. `solve`
     optionally all-reduces that vector over `group` and reads it to the host once. Every rank
     must call `solve` with the same group (and `add` at least once, even with an empty mask, so
     the vector lives on the rank's device).
@@ -127,7 +127,7 @@ class BoundAccumulator(PathAccumulator, rule="paper"):
         # With a dual clip every count is one higher and bin 0 holds the dual-clipped negatives.
         count = locator.count(key.reshape(-1))
         size = locator.table.numel() + 1
-        bins = torch.bincount(count, weights=mass.reshape(-1).double(), minlength=size)
+        bins = bin_sums(count, mass, size)
         if self._sums is None:
             self._sums = torch.zeros_like(bins, dtype=torch.float64)
         self._sums.add_(bins)

@@ -131,6 +131,15 @@ def build_locator(
     return Locator(torch.cat(parts)).to(device)
 
 
+def bin_sums(count: torch.Tensor, values: torch.Tensor, size: int) -> torch.Tensor:
+    """float64 sums of `values` per bin `count` (each in [0, size)), flat: what
+    ``torch.bincount(count, weights=values.double(), minlength=size)`` gives (the same additions
+    in the same order on the CPU), at a size fixed in advance: bincount reads its input's min
+    and max to the host on CUDA, which would stall the device once per micro-batch."""
+    out = torch.zeros(size, dtype=torch.float64, device=count.device)
+    return out.index_add_(0, count.reshape(-1), values.reshape(-1).double())
+
+
 def keyed_inputs(
     ratio: torch.Tensor,
     advantages: torch.Tensor,

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from bapo_cli.algos.bapo_locator import build_locator, keyed_inputs
+from bapo_cli.algos.bapo_locator import bin_sums, build_locator, keyed_inputs
 from bapo_cli.algos.bapo_path import (
     PAPER,
     RECIPE_EPS,
@@ -61,12 +61,7 @@ class RecipeAccumulator(PathAccumulator, rule="recipe"):
         )
         count = locator.count(key)
         size = self._size
-        bins = torch.cat(
-            [
-                torch.bincount(count, weights=m.double(), minlength=size),
-                torch.bincount(count, weights=a.double(), minlength=size),
-            ]
-        )
+        bins = torch.cat([bin_sums(count, m, size), bin_sums(count, a, size)])
         if self._sums is None:
             self._sums = torch.zeros_like(bins)
         self._sums.add_(bins)

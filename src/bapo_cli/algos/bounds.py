@@ -33,7 +33,7 @@ How this module computes it
 The path does not depend on the data: point 0 is (a_low, a_high), then n_high steps of c_high,
 then n_low steps of c_low. Each token changes activity at most once along it, so for every token
 we compute *where* (a positive token's entry index: the first point with r < c_high; a negative
-token's exit index: the first point with r <= c_low), add its mass into that bin (`bincount`) and
+token's exit index: the first point with r <= c_low), add its mass into that bin (`bin_sums`) and
 get P and N at every point from cumulative sums. One table look-up places a token (`Locator`:
 the positive and negative thresholds live in one sorted table, keyed by copysign(r, A)), so the
 whole path costs one pass over the tokens, one vector of K + 3 sums (P's and N's bins), and one

@@ -105,6 +105,10 @@ def aggregate(
     _check_positive("norm_len", norm_len)
     if agg == "token-mean":
         denom = global_tokens if global_tokens is not None else valid.sum().clamp(min=1)
+        if isinstance(global_tokens, Tensor) and global_tokens.is_floating_point():
+            # in the loss's dtype, as a number divides (M2PO's narrowed count: the loss it
+            # had as a number, bit for bit)
+            denom = global_tokens.to(loss_tok.dtype)
         return loss_tok.sum() / denom
     seq_loss = loss_tok.sum(dim=-1)  # [B]
     n_seqs = global_seqs if global_seqs is not None else valid.any(dim=-1).sum().clamp(min=1)
@@ -144,16 +148,17 @@ class Aggregation:
         its share of the mini-batch's tokens (AReaL's per micro-batch loss mask, weighted by the
         micro-batch's tokens, `loss_weight_fn`); with one micro-batch, the kept tokens' mean.
         The sequence counts are unchanged (seq-mean-token-mean counts each sequence's kept
-        tokens already)."""
+        tokens already). The count stays on the device (a float64 0-dim tensor, no host read)."""
         if self.global_tokens is None:
             return self
-        n_valid, n_kept = float(valid.sum()), float(kept.sum())
-        if n_kept == n_valid or n_kept == 0.0:  # nothing taken out, or no token left to weigh
-            return self
+        n_valid, n_kept = valid.sum(dtype=torch.float64), kept.sum(dtype=torch.float64)
+        # nothing taken out, or no token left to weigh: the count as it is (x 1, exactly)
+        same = (n_kept == n_valid) | (n_kept == 0.0)
+        share = torch.where(same, 1.0, n_kept / torch.where(same, 1.0, n_valid))
         count = self.global_tokens
-        if isinstance(count, Tensor) and not count.is_floating_point():  # a count, exactly
-            count = count.double()
-        return dataclasses.replace(self, global_tokens=count * (n_kept / n_valid))
+        if isinstance(count, Tensor):
+            count = count.to(device=share.device, dtype=torch.float64)  # a count, exactly
+        return dataclasses.replace(self, global_tokens=count * share)
 
     def __call__(self, loss_tok: Tensor, valid: Tensor) -> Tensor:
         return aggregate(

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import math
+import struct
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -197,11 +199,50 @@ def tokens(log_prob: Tensor, inputs: RatioInputs) -> Tokens:
     return prepare_tokens(log_prob, inputs.old_log_prob, inputs.advantages, inputs.mask)
 
 
+# struct's codes for the dtypes a ratio has (float32, float64): rounded without a tensor
+_PACKED = {torch.float32: "f", torch.float64: "d"}
+
+
 def rounded(value: float, like: Tensor) -> float:
     """`value` rounded to `like`'s dtype, as a Python float. The search rounds the path values
     the same way, and comparing a tensor with a number its dtype represents exactly gives the
-    same answer whatever precision torch compares in (and needs no device transfer)."""
-    return torch.tensor(value, dtype=like.dtype).item()
+    same answer whatever precision torch compares in (and needs no device transfer). Float32
+    and float64 round on the host without a tensor (IEEE round-to-nearest-even, as torch's
+    cast); another dtype through a host tensor."""
+    code = _PACKED.get(like.dtype)
+    if code is None:
+        return torch.tensor(value, dtype=like.dtype).item()
+    try:
+        return struct.unpack(code, struct.pack(code, value))[0]
+    except OverflowError:  # beyond float32's range: torch's cast gives inf
+        return math.copysign(math.inf, value)
+
+
+@dataclass(frozen=True)
+class HostMetric:
+    """A metric finished on the host: `fn` of a 0-dim device value, applied when the trainer
+    reads the update's metrics (one transfer per update), so the loss never waits for the
+    device. VESPO's c_high, math.exp of a log weight: the number it was before, bit for bit
+    (torch's exp may differ from math's in the last bit)."""
+
+    value: Tensor
+    fn: Callable[[float], float]
+
+    def item(self) -> float:
+        return self.fn(self.value.item())
+
+    def __float__(self) -> float:
+        return self.item()
+
+
+def _bound_metric(value: float | Tensor | HostMetric) -> Tensor | HostMetric:
+    """A bound as its metric: a float64 0-dim tensor (on the device when the loss computed the
+    bound there: no host read), or a `HostMetric` as it is."""
+    if isinstance(value, HostMetric):
+        return value
+    if isinstance(value, Tensor):
+        return value.detach().to(torch.float64)
+    return torch.tensor(float(value), dtype=torch.float64)
 
 
 def token_activity(
@@ -219,9 +260,23 @@ def token_activity(
     return active_pos, active_neg
 
 
+Bound = float | Tensor | HostMetric  # a reported bound (`surrogate_metrics`)
+
+
+def largest_ratio(r: Tensor, where: Tensor) -> Tensor:
+    """max(1, the largest r over `where`), float64, 0-dim, on r's device (1 where `where` holds
+    nothing or the largest is not finite): the c_high a loss without an upper clip reports
+    (TOPR; M2PO without its ratio clip), read with the update's metrics, not here."""
+    with torch.no_grad():
+        if r.numel() == 0:
+            return torch.ones((), dtype=torch.float64, device=r.device)
+        top = torch.where(where, r, 0.0).max().double()
+        return torch.where(torch.isfinite(top), top.clamp(min=1.0), 1.0)
+
+
 def surrogate_metrics(
     tok: Tokens,
-    bounds: tuple[float, float],
+    bounds: tuple[Bound, Bound],
     clipped: tuple[Tensor, Tensor],
     *,
     weight: Tensor,
@@ -230,13 +285,14 @@ def surrogate_metrics(
 ) -> dict[str, Any]:
     """The metric set every loss reports (module docstring), from what the loss decided per token.
 
-    bounds: (c_low, c_high) the loss reports. clipped: the tokens counted in (clipfrac_low,
-    clipfrac_high). weight: the gradient weight per unit |A| of a token, |d loss_t / d log pi_t| /
-    |A_t| before aggregation (r_t for an active token of the clipped surrogate; CISPO: the
-    clipped IS weight; SAPO: the gate's); `w |A|` summed over the active positive / negative
-    tokens gives the sums rho is the share of. ratio: the ratio the loss clips or gates (default
-    r_t; GSPO: its sequence's s_i), detached. active: the tokens with gradient (default every
-    valid token with A != 0).
+    bounds: (c_low, c_high) the loss reports: numbers, 0-dim tensors (a bound the loss computed
+    from the tokens stays on the device) or `HostMetric`s. clipped: the tokens counted in
+    (clipfrac_low, clipfrac_high). weight: the gradient weight per unit |A| of a token,
+    |d loss_t / d log pi_t| / |A_t| before aggregation (r_t for an active token of the clipped
+    surrogate; CISPO: the clipped IS weight; SAPO: the gate's); `w |A|` summed over the active
+    positive / negative tokens gives the sums rho is the share of. ratio: the ratio the loss
+    clips or gates (default r_t; GSPO: its sequence's s_i), detached. active: the tokens with
+    gradient (default every valid token with A != 0).
     """
     ratio = tok.r if ratio is None else ratio
     active_pos = tok.pos if active is None else tok.pos & active
@@ -264,8 +320,8 @@ def surrogate_metrics(
         total = pos_sum + neg_sum
         rho = torch.where(total > 0, pos_sum / torch.where(total > 0, total, 1.0), 1.0)
         metrics.update(
-            c_low=torch.tensor(float(c_low), dtype=torch.float64),
-            c_high=torch.tensor(float(c_high), dtype=torch.float64),
+            c_low=_bound_metric(c_low),
+            c_high=_bound_metric(c_high),
             rho_before=rho,
             rho=rho,
             rho_pos=pos_sum,

@@ -186,7 +186,8 @@ def kl_cov_loss(
     selected = kl_cov_select(tok, log_prob, float(params.kl_cov_ratio))
     abs_log_ratio = torch.where(selected, log_prob - inputs.old_log_prob, 0.0).abs()
     loss_tok = -tok.adv * tok.ratio + float(params.kl_cov_coef) * abs_log_ratio
-    ratio_max = float(torch.where(tok.valid, tok.r, 0.0).max()) if tok.r.numel() else 1.0
+    # on the device: read with the update's metrics
+    ratio_max = torch.where(tok.valid, tok.r, 0.0).max() if tok.r.numel() else 1.0
     clipped = (tok.neg & selected, tok.pos & selected)
     metrics = surrogate_metrics(tok, (0.0, ratio_max), clipped, weight=tok.r)
     return aggregation(loss_tok, tok.valid), metrics

@@ -120,6 +120,7 @@ def dcpo_loss(
     with torch.no_grad():
         n = tok.n_valid.clamp(min=1)
         means = torch.stack([torch.where(tok.valid, b, 0.0).sum() / n for b in (lo, hi)])
-        c_low, c_high = means.tolist() if bool(tok.valid.any()) else [1.0, 1.0]
+        # 1 without a valid token; 0-dim tensors on the device, read with the update's metrics
+        c_low, c_high = torch.where(tok.valid.any(), means, 1.0).unbind()
     metrics = surrogate_metrics(tok, (c_low, c_high), clipped, weight=r, ratio=r, active=active)
     return aggregation(loss_tok, tok.valid), metrics

@@ -35,7 +35,10 @@ host sync), averaged over the valid tokens unless said otherwise:
     pos_mass, neg_mass            r |A| of the active positive / negative tokens, per valid token
     active_tokens                 count of gradient-carrying tokens (0: the loss has no gradient)
     nonfinite_tokens              count of masked-out non-finite tokens
-    c_low, c_high                 the bounds the loss clipped with (CPU tensors)
+    c_low, c_high                 the bounds the loss clipped with, float64: CPU tensors for
+                                  fixed bounds, device tensors where the loss computes them
+                                  from the tokens (TOPR, DCPO, M2PO, KL-Cov), a `HostMetric`
+                                  (VESPO: math.exp taken when the trainer reads it)
     rho                           positive share of the active mass, pos / (pos + neg) (1 if 0/0)
     rho_pos, rho_neg              the sums rho is the share of, in the bound search's units
                                   (sum of w r |A|, not per token): fixed bounds: pos_mass and

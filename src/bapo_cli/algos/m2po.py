@@ -40,7 +40,14 @@ from typing import Any
 import torch
 
 from bapo_cli.algos.contract import Aggregation, RatioInputs
-from bapo_cli.algos.core import REGISTRY, Tensor, Tokens, surrogate_dropping, tokens
+from bapo_cli.algos.core import (
+    REGISTRY,
+    Tensor,
+    Tokens,
+    largest_ratio,
+    surrogate_dropping,
+    tokens,
+)
 from bapo_cli.algos.params import (
     LossParams,
     ParamError,
@@ -93,22 +100,24 @@ class M2POParams(LossParams):
 
 
 def m2_mask(log_ratio: Tensor, valid: Tensor, threshold: float) -> Tensor:
-    """Bool, log_ratio's shape: the valid tokens M2PO masks (largest (log r)^2 first)."""
+    """Bool, log_ratio's shape: the valid tokens M2PO masks (largest (log r)^2 first; of equal
+    ones the first in row-major order). Over every position at a fixed shape, the others sorted
+    last: no host read (a `[valid]` selection or a count read back would wait for the device)."""
     with torch.no_grad():
-        m2 = log_ratio.detach().double().square()[valid]  # row-major order of the valid tokens
-        n = m2.numel()
-        masked = torch.zeros_like(valid)
-        if n == 0:
-            return masked
-        m2_sorted, order = torch.sort(m2, descending=True)
-        suffix = m2_sorted.flip(0).cumsum(0).flip(0)  # sum of m2_sorted[i:]
-        means = suffix / torch.arange(n, 0, -1, dtype=suffix.dtype, device=suffix.device)
-        below = (means < threshold).nonzero()
-        k = int(below[0]) if below.numel() else n - 1  # how many of the largest to mask
-        drop = torch.zeros(n, dtype=torch.bool, device=valid.device)
-        drop[order[:k]] = True
-        masked[valid] = drop
-        return masked
+        flat = valid.reshape(-1)
+        if flat.numel() == 0:
+            return torch.zeros_like(valid)
+        m2 = torch.where(flat, log_ratio.detach().double().square().reshape(-1), 0.0)
+        _, order = torch.sort(torch.where(flat, m2, -1.0), descending=True, stable=True)
+        suffix = m2[order].flip(0).cumsum(0).flip(0)  # sum of the sorted m2 from i on
+        place = torch.arange(flat.numel(), device=flat.device)
+        left = flat.sum() - place  # valid tokens from sorted place i on
+        below = (suffix / left.clamp(min=1) < threshold) & (left > 0)
+        # how many of the largest to mask: up to the first mean below the threshold, else all
+        # but one (nothing when no token is valid)
+        k = torch.where(below.any(), below.int().argmax(), flat.sum() - 1)
+        drop = torch.zeros_like(flat).scatter(0, order, place < k)
+        return drop.reshape(valid.shape) & valid
 
 
 def m2_drop(tok: Tokens, inputs: RatioInputs, threshold: float) -> Tensor:
@@ -145,7 +154,5 @@ def m2po_loss(
         tok, drop, bounds, params.dual_clip, aggregation, in_denominator=False
     )
     if math.isinf(bounds[1]):  # no clip: report the largest ratio kept, as kl_cov (finite to log)
-        kept = tok.valid & ~drop
-        top = float(torch.where(kept, tok.r, 0.0).max()) if kept.any() else 1.0
-        metrics["c_high"] = torch.tensor(max(top, 1.0), dtype=torch.float64)
+        metrics["c_high"] = largest_ratio(tok.r, tok.valid & ~drop)
     return loss, metrics

@@ -36,14 +36,20 @@ out of the mask and of W (`core.prepare_tokens`).
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from bapo_cli.algos.contract import Aggregation, RatioInputs
-from bapo_cli.algos.core import REGISTRY, Tensor, Tokens, surrogate_metrics, tokens
+from bapo_cli.algos.core import (
+    REGISTRY,
+    Tensor,
+    Tokens,
+    largest_ratio,
+    surrogate_metrics,
+    tokens,
+)
 from bapo_cli.algos.params import LossParams, one_of, param
 
 RATIOS = ("trajectory", "geometric", "token")
@@ -104,8 +110,7 @@ def topr_loss(
     logp = torch.where(tok.valid & torch.isfinite(log_prob), log_prob, 0.0)
     loss_tok = -tok.adv * alpha * logp
     tapered = tok.neg & (alpha < 1.0)
-    top = float(torch.where(tok.valid, tok.r, 0.0).max()) if tok.valid.any() else 1.0
-    bounds = (0.0, max(top, 1.0) if math.isfinite(top) else 1.0)
+    bounds = (0.0, largest_ratio(tok.r, tok.valid))
     metrics = surrogate_metrics(
         tok, bounds, (tapered, torch.zeros_like(tapered)), weight=alpha.detach()
     )

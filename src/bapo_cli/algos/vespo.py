@@ -40,7 +40,7 @@ from typing import Any
 import torch
 
 from bapo_cli.algos.contract import Aggregation, RatioInputs
-from bapo_cli.algos.core import REGISTRY, Tensor, surrogate_metrics, tokens
+from bapo_cli.algos.core import REGISTRY, HostMetric, Tensor, surrogate_metrics, tokens
 from bapo_cli.algos.params import LossParams, param, positive
 
 LOG_W_MIN = math.log(1e-8)  # TRL's floor of log w (so log w needs no second clamp)
@@ -85,6 +85,11 @@ def gamma_weight(log_w: Tensor, k: Tensor | float, lam: Tensor | float) -> Tenso
     return torch.nan_to_num(phi, nan=0.0, posinf=0.0, neginf=0.0)
 
 
+def weight_bound(top: float) -> float:
+    """max(w_max, 1) from the largest log weight of the call (1 when there is none)."""
+    return max(math.exp(top), 1.0) if math.isfinite(top) else 1.0
+
+
 @REGISTRY.register("vespo", params=VESPOParams)
 def vespo_loss(
     log_prob: Tensor, inputs: RatioInputs, params: VESPOParams, aggregation: Aggregation
@@ -105,12 +110,13 @@ def vespo_loss(
         lam = torch.where(nonneg, float(params.lambda_pos), float(params.lambda_neg)).double()
         phi = gamma_weight(log_w.expand_as(k), k, lam).to(tok.r.dtype)  # [B, T]
         has = tok.valid.any(dim=-1, keepdim=True)
-        top = float(torch.where(has, log_w, -math.inf).max()) if log_w.numel() else 0.0
+        top = torch.where(has, log_w, -math.inf).max() if log_w.numel() else None
     # log pi: 0 (value and gradient) off the mask, on non-finite tokens and where pi = 0 (a
     # token the policy already never makes: no 0 * inf, nothing left to push down)
     logp = torch.where(tok.valid & torch.isfinite(log_prob), log_prob, 0.0)
     loss_tok = -tok.adv * phi * logp
     none = torch.zeros_like(tok.valid)
-    w_max = math.exp(top) if math.isfinite(top) else 1.0
-    metrics = surrogate_metrics(tok, (0.0, max(w_max, 1.0)), (none, none), weight=phi)
+    # c_high: max(w_max, 1), its exp taken on the host when the trainer reads the metrics
+    c_high = 1.0 if top is None else HostMetric(top, weight_bound)
+    metrics = surrogate_metrics(tok, (0.0, c_high), (none, none), weight=phi)
     return aggregation(loss_tok, tok.valid), metrics

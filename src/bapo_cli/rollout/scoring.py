@@ -286,10 +286,22 @@ def record_behaviour(model: torch.nn.Module, mb: MicroBatch, temperature: float)
     sampled by older weights) keep theirs.
     """
     logp, _ = token_logprobs(model, mb, temperature)  # same mode as training: no dropout
-    rows = logp.cpu().tolist()
-    for s, row in zip(mb.samples, rows, strict=True):
-        have = len(s.logprobs)
-        s.logprobs.extend(row[have : len(s.response_ids)])
+    record_scored([(mb, logp)])
+
+
+def record_scored(scored: Sequence[tuple[MicroBatch, Tensor]]) -> None:
+    """`record_behaviour` of micro-batches already scored (each with its log-probs [b, R]), read
+    to the host in one transfer: a scoring loop reads once, not once per micro-batch."""
+    if not scored:
+        return
+    flat = torch.cat([logp.reshape(-1) for _, logp in scored]).cpu().tolist()
+    start = 0
+    for mb, logp in scored:
+        width = logp.shape[1]
+        for s in mb.samples:
+            have = len(s.logprobs)
+            s.logprobs.extend(flat[start + have : start + len(s.response_ids)])
+            start += width
 
 
 def disable_dropout(model: torch.nn.Module) -> None:

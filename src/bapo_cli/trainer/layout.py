@@ -14,9 +14,10 @@ from bapo_cli.rollout.base import Sample
 from bapo_cli.rollout.scoring import (
     MicroBatch,
     collate,
-    record_behaviour,
+    record_scored,
     split_micro,
     split_to_count,
+    token_logprobs,
 )
 from bapo_cli.staleness.regimes import Regime
 from bapo_cli.trainer.distributed import DistContext
@@ -62,15 +63,20 @@ class BatchLayout:
         """Behaviour log-probs of fresh samples. A regime whose first mini-batch is trained by
         the weights that sampled it (`defer_first`) leaves that one to the first update's own
         forward, unless the mode needs no proximal pass (recompute) or the engine's own
-        log-probs are to be compared with the trainer's."""
+        log-probs are to be compared with the trainer's. The forwards' log-probs stay on the
+        device until the last micro-batch is scored, then are read to the samples at once (on
+        CUDA the clock times them by events, read once a stage)."""
         defer_first = (
             self.regime.defer_first
             and self.trainer.old_logprob != "recompute"
             and not self.engine_logprobs
         )
+        scored = []
         for i, mini in enumerate(self.layout(samples)):
             if defer_first and i == 0:
                 continue
             for mb in mini:
-                with self.clock.timing(mb.num_tokens):  # record_behaviour reads the result
-                    record_behaviour(self.scorer, mb, self.temperature)
+                with self.clock.timing(mb.num_tokens, self.device), torch.no_grad():
+                    logp, _ = token_logprobs(self.scorer, mb, self.temperature)
+                scored.append((mb, logp))
+        record_scored(scored)

@@ -95,9 +95,10 @@ class OffPolicy:
 @dataclass(frozen=True, eq=False)
 class EngineLogProbs:
     """The engine's own log-probs of a micro-batch's tokens (vLLM reports them; 0 where a token
-    has none), as tensors, made once per step from the samples."""
+    has none), as tensors on the device, made from the samples before an update (copied there
+    then, not inside the update's micro-batch loop, where a copy would wait for the device)."""
 
-    log_ratio: Tensor  # [b, R] host: log pi_trainer - log pi_engine where both are known, else 0
+    log_ratio: Tensor  # [b, R]: log pi_trainer - log pi_engine where both are known, else 0
     log_probs: Tensor  # [b, R] on the device: the engine's log-probs
     known: Tensor  # [b, R] bool on the device: the tokens that have one
 
@@ -117,7 +118,7 @@ class EngineLogProbs:
             own[i, :has] = torch.tensor(s.engine_logprobs[:has], dtype=dtype)
             known[i, :has] = True
         device = mb.mask.device
-        return cls(trainer - engine, own.to(device), known.to(device))
+        return cls((trainer - engine).to(device), own.to(device), known.to(device))
 
 
 @dataclass(frozen=True, eq=False)
@@ -247,7 +248,7 @@ def tis_weights(
 
 
 def _tis(log_ratio: Tensor, mask: Tensor, cap: float, level: str, mode: str) -> Tensor:
-    """`tis_weights` from the host log-ratios of `EngineLogProbs` (0 where a token has none)."""
+    """`tis_weights` from the log-ratios of `EngineLogProbs` (0 where a token has none)."""
     if level == "sequence":  # one weight per sequence: the product of its tokens' ratios
         log_ratio = log_ratio.sum(dim=1, keepdim=True).expand(log_ratio.shape)
     weights = torch.exp(log_ratio)

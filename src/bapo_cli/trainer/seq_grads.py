@@ -33,13 +33,13 @@ __all__ = ["recentre", "score_grad_sq_norms"]
 def score_grad_sq_norms(
     model: torch.nn.Module, mb: MicroBatch, temperature: float
 ) -> tuple[Tensor, Tensor]:
-    """(||g_i||^2 [b] float64, the forward's log-probs [b, R] detached) for one micro-batch; a
-    row without a response token gets 0."""
+    """(||g_i||^2 [b] float64, the forward's log-probs [b, R] detached) for one micro-batch, on
+    the device (no host read); a row without a response token gets 0."""
     module = getattr(model, "module", model)  # DDP: the wrapped module, outside the reducer
     params = [p for p in module.parameters() if p.requires_grad]
     logp, _ = token_logprobs(module, mb, temperature)
-    rows = [i for i in range(mb.mask.shape[0]) if bool(mb.mask[i].any())]
-    out = torch.zeros(mb.mask.shape[0], dtype=torch.float64)
+    rows = [i for i, s in enumerate(mb.samples) if s.response_ids]  # counted on the host
+    norms = [torch.zeros((), dtype=torch.float64, device=logp.device)] * len(mb.samples)
     for n, i in enumerate(rows):
         seq = torch.where(mb.mask[i], logp[i], 0.0).sum()
         grads = torch.autograd.grad(seq, params, retain_graph=n < len(rows) - 1, allow_unused=True)
@@ -47,8 +47,8 @@ def score_grad_sq_norms(
         for g in grads:  # whole weights: the config refuses opob with FSDP2's sharded ones
             if g is not None:
                 total = total + g.detach().double().square().sum()
-        out[i] = float(total)
-    return out, logp.detach()
+        norms[i] = total
+    return torch.stack(norms), logp.detach()
 
 
 def recentre(
@@ -67,15 +67,16 @@ def recentre(
         norms, logp = score_grad_sq_norms(model, p.mb, temperature)
         p = p if p.behaviour is not None else p.scored(logp)
         sq.append(norms)
-        log_w.append(ess_lib.sequence_log_weights(logp, p.behaviour, p.mb.mask).cpu())
+        log_w.append(ess_lib.sequence_log_weights(logp, p.behaviour, p.mb.mask))
         groups.append(torch.tensor([s.group for s in p.mb.samples]))
         out.append(p)
-    before = torch.cat([p.advantages.detach().cpu() for p in out])
-    after = hook(torch.cat(sq), torch.cat(log_w), torch.cat(groups), before)
-    start = 0
+    # the hook runs on the host: each input read once for the update, not per micro-batch
+    before = torch.cat([p.advantages.detach() for p in out]).cpu()
+    after = hook(torch.cat(sq).cpu(), torch.cat(log_w).cpu(), torch.cat(groups), before)
+    after_there, start = after.to(out[0].advantages.device), 0  # one copy back
     for i, p in enumerate(out):
         n = len(p.mb.samples)
-        adv = after[start : start + n].to(p.advantages.device, p.advantages.dtype)
+        adv = after_there[start : start + n].to(p.advantages.dtype)
         out[i] = dataclasses.replace(p, advantages=adv)
         start += n
     return out, {"opob_shift": float((after.double() - before.double()).abs().mean())}

@@ -18,6 +18,11 @@ under data parallelism: W ranks then equal one process that trains on all ranks'
 each searched on its own, whatever number of micro-batches each rank runs. The exact all-rank
 search is `bound_scope=minibatch`.
 
+Nothing in the micro-batch loop reads a tensor to the host (on a GPU each read would stall the
+device once per micro-batch): the losses' metrics and bounds stay on the device, and `_step`
+reads them once per update (`_host_metrics`), beside the tallies, the gradient norm, the ESS and
+the quadrant table (docs/training.md, "Host reads in the update"; tests/train/test_host_reads.py).
+
 Aggregation across micro-batches is exact: each micro-batch's loss is divided by the mini-batch's
 token (or sequence) count, not its own, so the accumulated gradient equals the mini-batch loss's.
 Every update logs the ESS of its sequences' importance weights, behaviour -> current (`ess`).
@@ -37,6 +42,7 @@ from bapo_cli.algos import diagnostics, losses
 from bapo_cli.algos import ess as ess_lib
 from bapo_cli.algos.bounds import BapoBounds, rho_from_sums
 from bapo_cli.algos.contract import Aggregation, LossHooks
+from bapo_cli.algos.core import HostMetric
 from bapo_cli.rollout.scoring import MicroBatch, token_logprobs
 from bapo_cli.trainer import seq_grads
 from bapo_cli.trainer.distributed import DistContext
@@ -155,9 +161,12 @@ class _Tally:
 
     # [non-finite losses, active tokens, *RHO_SUMS] summed on the device, read once after the loop
     row: Tensor | None = None
-    metrics: list[tuple[dict[str, Any], float]] = field(default_factory=list)  # (m, tokens)
-    # (log-probs, old log-probs, advantages, c_low, c_high) per micro-batch: the quadrant table
-    clipped_with: list[tuple[Tensor, Tensor, Tensor, float, float]] = field(default_factory=list)
+    # (m, tokens) per micro-batch: m's values stay where the loss left them (0-dim device
+    # tensors), all read to the host at once after the loop (`_host_metrics`)
+    metrics: list[tuple[dict[str, Any], float]] = field(default_factory=list)
+    # (log-probs, old log-probs, advantages) per micro-batch: the quadrant table, with the
+    # bounds the micro-batch's metrics report
+    clipped_with: list[tuple[Tensor, Tensor, Tensor]] = field(default_factory=list)
     log_ws: list[Tensor] = field(default_factory=list)  # sequences' log weights, behav -> current
 
 
@@ -264,9 +273,7 @@ def _backward(
     tally.row = row_t if tally.row is None else tally.row + row_t
     loss.backward()
     m["entropy"] = torch.where(mb.mask, entropy, 0.0).sum() / max(mb.num_tokens, 1)
-    adv = inputs.advantages
-    old = inputs.old_log_prob.detach()
-    tally.clipped_with.append((logp.detach(), old, adv, float(m["c_low"]), float(m["c_high"])))
+    tally.clipped_with.append((logp.detach(), inputs.old_log_prob.detach(), inputs.advantages))
     m.update(_staleness(mb, u.version))
     tally.metrics.append((m, float(mb.num_tokens)))
     return p, bounds
@@ -322,11 +329,13 @@ def _step(
         _optimizer_step(learner.optimizer, scale)
     learner.optimizer.zero_grad(set_to_none=True)
     tokens = sum(p.mb.num_tokens for p in prepared)
-    metrics = _combine(tally.metrics, tokens)
+    host = _host_metrics([m for m, _ in tally.metrics])  # one read of every micro-batch's
+    metrics = _combine(host, [n for _, n in tally.metrics], tokens)
     metrics["ess"] = ess
     if scale is not None:
         metrics["lr_scale"] = scale
-    metrics.update(_quadrants(prepared, tally.clipped_with, spec.dual_clip))
+    bounds_used = [(m["c_low"], m["c_high"]) for m in host]
+    metrics.update(_quadrants(prepared, tally.clipped_with, bounds_used, spec.dual_clip))
     metrics["grad_norm"] = grad_norm
     metrics.update(_rho_metrics(rho_sums))
     metrics["search_moved"] = float(metrics.get("search_steps", 0.0) > 0)
@@ -350,7 +359,8 @@ def _rho_metrics(rho_sums: Sequence[float]) -> dict[str, float]:
 def _ess(log_ws: Sequence[Tensor], ctx: DistContext) -> float:
     """ESS / N of the update's sequences over all ranks (`algos.ess`): the largest finite log
     weight and then the shifted sums are all-reduced, so the value is the whole update's."""
-    log_w = torch.cat([w.cpu() for w in log_ws]) if log_ws else torch.zeros(0, dtype=torch.float64)
+    # one transfer of all micro-batches' weights
+    log_w = torch.cat(log_ws).cpu() if log_ws else torch.zeros(0, dtype=torch.float64)
     finite = log_w[torch.isfinite(log_w)]
     (top,) = ctx.max([float(finite.max()) if finite.numel() else -math.inf])
     return ess_lib.ess_from_sums(*ctx.sum(ess_lib.weight_sums(log_w, top).tolist()))
@@ -374,7 +384,8 @@ def _optimizer_step(optimizer: torch.optim.Optimizer, scale: float | None) -> No
 
 def _quadrants(
     prepared: Sequence[Prepared],
-    clipped_with: Sequence[tuple[Tensor, Tensor, Tensor, float, float]],
+    clipped_with: Sequence[tuple[Tensor, Tensor, Tensor]],
+    bounds: Sequence[tuple[float, float]],
     dual_clip: float | None,
 ) -> dict[str, float]:
     """The Entropy-Clip quadrant table of the whole update, as `diagnostics.quadrant_table` gives
@@ -386,20 +397,21 @@ def _quadrants(
     masks = [p.mb.mask for p in prepared]
     toks = [
         losses.prepare_tokens(logp, old, adv, mask)
-        for mask, (logp, old, adv, _, _) in zip(masks, clipped_with, strict=True)
+        for mask, (logp, old, adv) in zip(masks, clipped_with, strict=True)
     ]
     lp_sum = sum(
         torch.where(t.valid, lp, 0.0).sum() for t, (lp, *_) in zip(toks, clipped_with, strict=True)
     )
     threshold = lp_sum / sum(t.n_valid for t in toks).clamp(min=1)
     counts: dict[str, Tensor] = {}
-    for mask, tok, (logp, old, adv, c_low, c_high) in zip(masks, toks, clipped_with, strict=True):
+    parts = zip(masks, toks, clipped_with, bounds, strict=True)
+    for mask, tok, (logp, old, adv), micro_bounds in parts:
         quad = diagnostics.quadrant_table(
             logp,
             old,
             adv,
             mask,
-            bounds=(c_low, c_high),
+            bounds=micro_bounds,
             dual_clip=dual_clip,
             threshold_log_prob=threshold,
         )
@@ -452,23 +464,43 @@ SUM_KEYS = (
 )
 
 
-def _combine(weights: list[tuple[dict[str, Any], float]], tokens: int) -> dict[str, float]:
-    """Token-weighted means of per-micro-batch metrics (max for maxima, sums for counts), with a
-    single host transfer."""
-    if not weights:
+def _host_metrics(per_micro: Sequence[dict[str, Any]]) -> list[dict[str, float]]:
+    """Each micro-batch's metrics as Python floats (the keys of the first that hold a number, a
+    tensor or a `HostMetric`), the tensors read in one transfer per device: the update's one
+    host read of them, after its micro-batches, never one per micro-batch."""
+    if not per_micro:
+        return []
+    first = per_micro[0]
+    keys = [k for k, v in first.items() if isinstance(v, (Tensor, float, int, HostMetric))]
+    out: list[dict[str, float]] = [dict.fromkeys(keys, 0.0) for _ in per_micro]
+    pending: dict[torch.device, list[tuple[int, str, Tensor]]] = {}
+    for i, m in enumerate(per_micro):
+        for key in keys:
+            value = m[key].value if isinstance(m[key], HostMetric) else m[key]
+            if isinstance(value, Tensor):
+                value = value.detach().to(torch.float64)
+                pending.setdefault(value.device, []).append((i, key, value))
+            else:
+                out[i][key] = float(value)
+    for items in pending.values():
+        read = torch.stack([t for _, _, t in items]).tolist()
+        for (i, key, _), number in zip(items, read, strict=True):
+            late = per_micro[i][key]
+            out[i][key] = late.fn(number) if isinstance(late, HostMetric) else number
+    return out
+
+
+def _combine(
+    per_micro: Sequence[dict[str, float]], weights: Sequence[float], tokens: int
+) -> dict[str, float]:
+    """Token-weighted means of per-micro-batch metrics (max for maxima, sums for counts), on the
+    host (`_host_metrics` read them)."""
+    if not per_micro:
         return {}
-    keys = [k for k, v in weights[0][0].items() if isinstance(v, (Tensor, float, int))]
-    rows = []
-    for m, _ in weights:
-        rows.append(
-            torch.stack([torch.as_tensor(m[k], dtype=torch.float64).detach().cpu() for k in keys])
-        )
-    table = torch.stack(rows)  # [micro, keys]
-    w = torch.tensor([n for _, n in weights], dtype=torch.float64)
     out: dict[str, float] = {}
-    values = table.tolist()
-    for j, key in enumerate(keys):
-        column = [row[j] for row in values]
+    total = sum(weights)
+    for key in per_micro[0]:
+        column = [m[key] for m in per_micro]
         if key in MAX_KEYS:
             out[key] = max(column)
         elif key in SUM_KEYS or key.startswith("quadrant_") and not key.endswith("_mass"):
@@ -476,8 +508,7 @@ def _combine(weights: list[tuple[dict[str, Any], float]], tokens: int) -> dict[s
         elif all(c == column[0] for c in column):  # e.g. the bounds of a per-step search: exact
             out[key] = column[0]
         else:
-            total = float(w.sum())
-            out[key] = sum(c * float(wi) for c, wi in zip(column, w, strict=True)) / max(total, 1.0)
+            out[key] = sum(c * w for c, w in zip(column, weights, strict=True)) / max(total, 1.0)
     out["staleness_mean"] = out.pop("staleness_sum", 0.0) / max(tokens, 1)
     seqs = out.pop("trajectory_seqs", 0.0)
     out["trajectory_mean"] = out.pop("trajectory_sum", 0.0) / max(seqs, 1.0)
