@@ -10,7 +10,7 @@ The model (494M parameters, random float32 weights, all 24 layers) takes real Ad
 (weight decay 0, random tokens 2 x 64, each lr from the same start), each parameter's step taken
 as soon as its gradient is whole and the gradient freed (PyTorch's optimizer-in-backward recipe:
 the same numbers as one AdamW, without 2 GB of gradients held); each lr runs in a process of its
-own, whose peak resident memory is printed (about 8.5 GiB: 2 GB of float32 weights, 4 GB of
+own, whose peak resident memory is printed (about 9 GiB: 2 GB of float32 weights, 4 GB of
 AdamW state, two versions in bf16). Per step, median over the steps:
 
 - **changed**: the share of elements whose bits change in the serving dtype;
