@@ -270,6 +270,13 @@ def test_the_plan_says_how_weights_reach_the_servers() -> None:
         f"1 vLLM server ({URL}), weights by gloo through vLLM's weight transfer (group at "
         "127.0.0.1:29555)"
     )
+    deltas = ["staleness.weights=filesystem", "staleness.weights_delta=true"]
+    cfg = preflight("train", [*base, *deltas, "staleness.weights_full_every=4"]).config
+    assert sample_source(cfg).generation() == (
+        f"1 vLLM server ({URL}), weights by file under <run dir>/weights, each version as a delta "
+        "where fewer bytes than the full one (full at the start, after a server comes back, and "
+        "every 4)"
+    )
 
 
 def test_a_sweep_whose_jobs_share_a_server_at_once_is_refused() -> None:

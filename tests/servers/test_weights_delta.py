@@ -3,6 +3,7 @@ server is sent, and when the writer writes a full version instead (no vLLM)."""
 
 from __future__ import annotations
 
+import re
 import tempfile
 from pathlib import Path
 from types import SimpleNamespace
@@ -150,15 +151,16 @@ def test_the_writer_full_at_start_every_n_after_a_revival_and_when_not_cheaper(d
         root = Path(tmp)
         writer = VersionWriter(delta=True, full_every=3, dtype=dtype)
         weights = model(0)
-        got = []
+        got, notes = [], {}
         held = None
-        for v in range(8):
+        for v in range(9):
             if v == 5:
                 writer.force_full("a server came back")
             share = 0.9 if v == 7 else 0.02
             weights = nudged(weights, share, v)
             w = writer.write(weights.items(), root, v)
             got.append((w.delta, w.why_full))
+            notes.update({v: w.note} if w.note else {})
             held = read_back(root, v, held)
             for n, t in weights.items():  # every version reads back as the serving dtype's
                 assert bits_equal(held[n], t.to(serving))
@@ -175,11 +177,22 @@ def test_the_writer_full_at_start_every_n_after_a_revival_and_when_not_cheaper(d
             (True, None),
             (False, "a server came back"),
             (True, None),
-            (False, "a delta would be as large"),
+            (False, weights_delta.LARGER),
+            (True, None),
         ]
+        # said when the choice by bytes turns, not for the versions full by the schedule
+        assert sorted(notes) == [7, 8]
+        assert re.fullmatch(
+            r"weights: version 7 written full: its delta would be \d+% of the full version's "
+            r"bytes \(versions are written full until a delta is fewer bytes\)",
+            notes[7],
+        )
+        assert re.fullmatch(
+            r"weights: version 8 written as a delta again \(\d+% of the bytes\)", notes[8]
+        )
         # a resumed run: a new writer, what the servers hold is not known
         again = VersionWriter(delta=True, full_every=3, dtype=dtype)
-        assert not again.write(weights.items(), root, 8).delta
+        assert not again.write(weights.items(), root, 9).delta
 
 
 def test_cleanup_keeps_the_full_version_a_chain_starts_from() -> None:

@@ -75,7 +75,10 @@ class ServerSettings:
         else:
             weights = f"weights by file under {self.weights_dir or '<run dir>/weights'}"
             if self.delta:  # rollout.weights_delta says when a version is written full
-                weights += f", as deltas where fewer bytes (a full one every {self.full_every})"
+                weights += (
+                    ", each version as a delta where fewer bytes than the full one (full at the "
+                    f"start, after a server comes back, and every {self.full_every})"
+                )
         pause = "; a push pauses responses mid-way (interrupt)" if self.interrupt else ""
         quorum = self.quorum.describe()
         count = len(self.urls)

@@ -277,21 +277,30 @@ class ServerWorker:
         if isinstance(self.pool, TransferPool):  # the canary's probe; the policy's device
             self.pool.probe_ids = self.probe
             self.pool.device = next(model.parameters()).device
+        delta = self.writer.delta
+        if delta:  # checked first: deltas are taken in the servers' dtype, the start's version too
+            down = self.pool.check(self.quorum)
+            self.writer.dtype = serving_dtype(self._served())
         try:
             directory = self._write(model, version)
         except OSError as exc:
             raise WorkerError(self._write_error(exc, version)) from None
-        down = self.pool.start(version, directory, self.quorum)
+        if delta:  # the rest of `pool.start`
+            self.pool.push(directory, version, interrupt=False)
+        else:
+            down = self.pool.start(version, directory, self.quorum)
         warning = self.quorum.warning([(s.url, s.last_error) for s in down])
         if warning is not None:
             self.notes.append(warning)
-        served = [s.info.get("dtype") for s in self.pool.servers if s.info]
-        dtypes = [str(next(model.parameters()).dtype), *[d for d in served if d]]
-        self.writer.dtype = serving_dtype(served) if self.writer.delta else None
+        dtypes = [str(next(model.parameters()).dtype), *[d for d in self._served() if d]]
         self.probe_tolerance = probe.tolerance(self.probe_tolerance, dtypes)
         self._record_probe(version)
         weights_fs.cleanup(self.root, keep_from=version)
         self._share(model, version)
+
+    def _served(self) -> list[str | None]:
+        """The dtypes the servers reported at their check (`bapo_model_info`)."""
+        return [s.info.get("dtype") for s in self.pool.servers if s.info]
 
     def _share(self, model: torch.nn.Module, version: int) -> None:
         """Data-parallel ranks, all of them, after rank 0 pushed `version`: one gather. Rank 0
@@ -326,18 +335,21 @@ class ServerWorker:
         nccl = isinstance(self.pool, TransferPool)
         with self._push_lock if nccl else contextlib.nullcontext():
             if nccl:
-                directory = None
+                directory, note = None, None
                 self.pool.stage(lora.engine_weights(model), version)
             else:
                 written = self.writer.write(lora.engine_weights(model), self.root, version)
-                directory = written.directory
+                directory, note = written.directory, written.note
             want = trainer_logprobs(model, self.probe)
             with self._lock:
                 self._written = (directory, version)
                 self._want = {version: want}
                 self._mine.append(version)
                 self._stats["write_s"] = time.perf_counter() - t0
-                self._stats.update(self.writer.metrics)  # push_bytes, push_delta
+                for key, value in self.writer.metrics.items():  # summed over the step's versions
+                    self._stats[key] = self._stats.get(key, 0.0) + value  # (the start's too)
+                if note is not None:  # the choice by bytes turned
+                    self._said.append(note)
         return directory
 
     def publish(self, model: torch.nn.Module, version: int) -> None:

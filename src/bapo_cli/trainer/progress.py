@@ -142,6 +142,14 @@ STAGES = (
 )
 
 
+# weights by file (rollout.servers): bytes written and versions written as deltas, per step
+PUSHES = ("servers/push_bytes", "servers/push_delta")
+
+
+def _number(value: float) -> str:
+    return f"{value:.4f}" if abs(value) < 1e6 else f"{value:.4g}"  # bytes: 8.16e+07
+
+
 def summary_table(history: list[dict[str, float]], title: str = "bapo train: summary") -> Table:
     """First and last tenth of the run side by side."""
     tenth = max(len(history) // 10, 1)
@@ -161,10 +169,11 @@ def summary_table(history: list[dict[str, float]], title: str = "bapo train: sum
         "staleness/mean",
         "perf/step_s",
         *STAGES,
+        *PUSHES,
     ):
         first, last = _mean(history, key, slice(0, tenth)), _mean(history, key, slice(-tenth, None))
         if first is not None:
-            table.add_row(key, f"{first:.4f}", f"{last:.4f}")
+            table.add_row(key, _number(first), _number(last))
         elif key == MFU and history:  # no peak known for this chip (CPU): said, not guessed
             table.add_row(key, "n/a", "n/a")
     return table

@@ -70,7 +70,8 @@ class StalenessConfig:
         False,
         "filesystem: write each version as what changed since the one before, in the servers' "
         "dtype, where that is fewer bytes than every tensor (a full version at the start, every "
-        "staleness.weights_full_every and after a server comes back; docs/engines.md)",
+        "staleness.weights_full_every and after a server comes back); for versions that cross a "
+        "slow link (a shared filesystem between machines), not a local disk: docs/engines.md",
     )
     weights_full_every: int = opt(
         10, "filesystem with weights_delta: every how many versions one is written full"
