@@ -57,6 +57,7 @@ def test_config_prints_bapo_section_with_paper_values() -> None:
         "weights_delta": False,
         "weights_full_every": 10,
         "nccl_master": "127.0.0.1:29555",
+        "weights_timeout_s": 60.0,
         "probe_tolerance": None,
     }
     assert "hydra" not in cfg

@@ -18,6 +18,7 @@ these would pay for restarting them (~80 s).
 from __future__ import annotations
 
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -211,7 +212,7 @@ class SilentSend(TransferPool):
         return None
 
 
-def _pool(cls, fleet, model, root: Path, transport: str = "nccl"):
+def _pool(cls, fleet, model, root: Path, transport: str = "nccl", **options):
     pool = cls(
         fleet.urls,
         transport=transport,
@@ -219,6 +220,7 @@ def _pool(cls, fleet, model, root: Path, transport: str = "nccl"):
         expect=model_identity(fleet.model_dir),
         max_model_len=fleet.cfg.model.max_model_len,
         weights_dir=root,
+        **options,
     )
     pool.root = root
     pool.probe_ids = PROBE
@@ -242,18 +244,57 @@ def test_a_push_that_moves_nothing_is_stopped_at_start_in_one_line(fleet, tmp_pa
     assert "\n" not in str(info.value)
 
 
+class StopsServerMidway(_Snapshot):
+    """A version whose broadcast stops a server (`stop`: SIGSTOP to its process group) once the
+    first tensor is on its way: vLLM's source reads the names once for the update info, then
+    iterates again to send."""
+
+    def __init__(self, named, stop) -> None:
+        super().__init__(named, torch.device("cpu"))
+        self.stop, self.passes = stop, 0
+
+    def named_parameters(self, *args, **kwargs):
+        self.passes += 1
+        for i, item in enumerate(super().named_parameters(*args, **kwargs)):
+            if self.passes == 2 and i == 1:
+                self.stop()
+            yield item
+
+
+GROUP_S, STALL_S = 5.0, 2.0  # the gloo group's timeout; the pool's stall time (health every 1 s)
+
+
 @pytest.mark.vllm
 @pytest.mark.slow
 def test_the_gloo_pool_moves_the_weights_and_reforms_its_group(fleet, tmp_path) -> None:
     """The same pool with real bytes: vLLM's weight-transfer routes and trainer engine, bapo-cli's
     gloo engine in both servers (`bapo serve --weights gloo`). Every server equals the trainer
-    after the start (canary, then the real weights) and after a step; a server marked down is
-    left out of a new group (the push reaches the other), and when it comes back it joins a new
-    group with the other and is sent the version they hold before it is used."""
+    after the start (canary, then the real weights) and after a step. Server 1 stopped in the
+    middle of a broadcast: the push fails after the group's timeout, server 1 (its health
+    unanswered) is marked down and the version reaches server 0 alone in a group re-formed
+    without it, within GROUP_S + STALL_S and a new group; server 0's half-done reload was undone
+    (its next load would fail otherwise). Thawed, server 1 comes back: a new group of both, sent
+    the version they hold, before it is used."""
     fleet.ensure_all()
     model = _model(fleet)
     perturb(model, seed=11)  # not the weights the servers started with
-    pool = _pool(TransferPool, fleet, model, tmp_path, transport="gloo")
+    pool = _pool(
+        TransferPool,
+        fleet,
+        model,
+        tmp_path,
+        transport="gloo",
+        timeout_s=GROUP_S,
+        stall_s=STALL_S,
+        health_every_s=1.0,
+    )
+    stopped = False
+
+    def stop() -> None:
+        nonlocal stopped
+        fleet.freeze(1)
+        stopped = True
+
     try:
         pool.start(3)
         assert pool.members == fleet.urls
@@ -270,24 +311,35 @@ def test_the_gloo_pool_moves_the_weights_and_reforms_its_group(fleet, tmp_path) 
             assert held == 4
             assert (torch.tensor(lps) - want4).abs().max().item() <= LOGPROB_TOL
 
-        # server 1 lost: version 5 goes to server 0 alone, in a group re-formed without it
-        pool.servers[1].alive = False
+        # server 1 stops mid-broadcast: version 5 reaches server 0 alone, in bounded time
         perturb(model, seed=13)
-        pool.stage(model.named_parameters(), 5)
+        pool.snapshot = StopsServerMidway(model.named_parameters(), stop)
+        t0 = time.monotonic()
         pool.push(None, 5, interrupt=False)
-        assert pool.members == [fleet.urls[0]]
+        push_s = time.monotonic() - t0
+        assert stopped and pool.members == [fleet.urls[0]] and not pool.servers[1].alive
+        assert GROUP_S <= push_s <= GROUP_S + STALL_S + 10, push_s
+        ((event,),) = [pool.events]  # gloo's own words, after its source path
+        assert event.startswith(f"down {fleet.urls[1]}: the gloo weight push failed: [")
+        timed_out = f"Timed out waiting {GROUP_S * 1000:g}ms for send operation to complete"
+        assert event.endswith(timed_out), event
         want5 = trainer_logprobs(model, PROBE)
         ((held, lps),) = pool.probe(PROBE).values()
         assert held == 5 and (torch.tensor(lps) - want5).abs().max().item() <= LOGPROB_TOL
         assert pool.servers[1].version == 4  # it missed version 5
 
         # it comes back: a new group of both, version 5 sent to both, then it is used
+        fleet.thaw(1)
+        stopped = False
         assert pool.revive(pool.servers[1]) is True
         assert pool.members == fleet.urls and pool.servers[1].alive
         for held, lps in pool.probe(PROBE).values():
             assert held == 5
             assert (torch.tensor(lps) - want5).abs().max().item() <= LOGPROB_TOL
+        print(f"\ngloo pool: server 1 stopped mid-broadcast cost {push_s:.1f} s")  # noqa: T201
     finally:
+        if stopped:
+            fleet.thaw(1)
         pool.close()
 
 

@@ -268,7 +268,7 @@ def test_the_plan_says_how_weights_reach_the_servers() -> None:
     cfg = preflight("train", [*ASYNC, f"rollout.servers=[{URL}]", "staleness.weights=gloo"]).config
     assert sample_source(cfg).generation() == (
         f"1 vLLM server ({URL}), weights by gloo through vLLM's weight transfer (group at "
-        "127.0.0.1:29555)"
+        "127.0.0.1:29555, a member waited for 60 s at most)"
     )
     deltas = ["staleness.weights=filesystem", "staleness.weights_delta=true"]
     cfg = preflight("train", [*base, *deltas, "staleness.weights_full_every=4"]).config

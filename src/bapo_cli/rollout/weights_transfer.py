@@ -31,11 +31,17 @@ workers takes t ranks). `TransferPool` wraps a push in the same `pause` / reset 
 `update_weight_version` / `resume` as the filesystem transport, so staleness accounting does not
 depend on the transport.
 
-Faults. A group cannot lose a member: a broadcast to a dead rank fails (gloo, after
-`weights_gloo.TIMEOUT_S`) or hangs (NCCL). So the group is re-formed whenever the servers that
-are up change: a push finds a server down (its requests failed) and opens a new group over the
-others first; a server that comes back (`revive`) joins a new group over all the live ones,
-which are then sent the version they hold, so it holds it too before it is used.
+Faults. A group cannot lose a member: a broadcast to a member that stopped waits for it (gloo:
+until the group's timeout, `staleness.weights_timeout_s`; NCCL: forever), one to a member that
+died fails. So every push first asks each live member `GET /health` (all at once, within
+`rollout.server_stall_s`): one that does not answer is marked down before the group is touched,
+and the group is re-formed whenever the servers that are up change. A member that stops in the
+middle of a push costs at most the group's timeout (its broadcast) or the pool's stall rule (its
+HTTP calls, watched as every call to a server is: `server_http.Watch`); the push then fails, the
+members that do not answer their health are marked down and it is made again over the others.
+A server that comes back (`revive`) joins a new group over all the live ones, which are then
+sent the version they hold, so it holds it too before it is used. docs/engines.md states the
+bounds.
 
 Memory: a version is snapshotted on the trainer's device when it is published (the generation
 thread pushes it between units, after the trainer may have stepped again): one extra copy of
@@ -56,6 +62,7 @@ from typing import Any
 import torch
 
 from bapo_cli.rollout.quorum import Quorum
+from bapo_cli.rollout.server_http import Cancelled, TooLate
 from bapo_cli.rollout.servers import (
     CHECK_TIMEOUT_S,
     PUSH_TIMEOUT_S,
@@ -71,6 +78,8 @@ from bapo_cli.rollout.vllm_plugin import GLOO
 
 VLLM_VERSION = "0.32"  # the weight-transfer API this adapter is written against
 DEFAULT_PORT = 29555  # the group's rendezvous (a TCPStore vLLM opens; not torchrun's)
+RESET = "/reset_prefix_cache?reset_running_requests=true"
+GROUP_TIMEOUT_S = 60.0  # staleness.weights_timeout_s: gloo's wait for a member, both sides
 
 
 class NothingMoved(ServerError):
@@ -89,6 +98,7 @@ class Transport:
     plugin: str | None  # module:function registering the engine in the trainer's process
     label: str  # in messages
     hint: str  # what to check when its canary moved nothing
+    timed: bool  # its init info takes the group's timeout (`timeout_s`); vLLM's NCCL one: not
 
 
 TRANSPORTS = {
@@ -99,6 +109,7 @@ TRANSPORTS = {
         None,
         "NCCL",
         "CUDA and vLLM on both sides?",
+        False,
     ),
     "gloo": Transport(
         "gloo",
@@ -107,6 +118,7 @@ TRANSPORTS = {
         "bapo_cli.rollout.vllm_plugin:register",
         "gloo",
         "servers started with bapo serve --weights gloo?",
+        True,
     ),
 }
 
@@ -229,12 +241,14 @@ class TransferPool(ServerPool):
         device: torch.device,
         master_address: str = "127.0.0.1",
         master_port: int = DEFAULT_PORT,
+        timeout_s: float = GROUP_TIMEOUT_S,
         **pool_args: Any,
     ) -> None:
         super().__init__(urls, **pool_args)
         self.transport = TRANSPORTS[transport]
         self.device = torch.device(device)
         self.master_address, self.master_port = master_address, master_port
+        self.timeout_s = timeout_s  # the group's (gloo): how long a broadcast waits for a member
         self.engine: Any = None  # vLLM's trainer engine, once the group is open
         self.members: list[str] = []  # the servers in the open group
         self.snapshot: _Snapshot | None = None  # what the next push sends
@@ -266,14 +280,16 @@ class TransferPool(ServerPool):
         offsets, world = rank_offsets([self._workers(s) for s in servers])
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
+        timed = {"timeout_s": self.timeout_s} if t.timed else {}
         self.engine = factory.trainer_init(
             init_info(
                 master_address=self.master_address,
                 master_port=self.master_port,
                 world_size=world,
                 rank=0,
+                **timed,
             ),
-            client=FanOutClient([s.url for s in servers], offsets),
+            client=FanOutClient([s.url for s in servers], offsets, request=self._call),
             source=_LiveSource(self, source_cls),
         )
         self.members = [s.url for s in servers]
@@ -296,6 +312,16 @@ class TransferPool(ServerPool):
             self.engine.send_weights()
         finally:
             self.sending = None
+
+    def _call(self, url: str, method: str, path: str, body: Any, timeout: float) -> Any:
+        """A push's call to a member: watched (a member that stops answering its health fails
+        it after `rollout.server_stall_s`, as a generation request does) and ended by `close`."""
+        return call(url, method, path, body, timeout, cancel=self.closed, watch=self.watch)
+
+    def _reset(self, url: str) -> None:
+        answer = self._call(url, "POST", RESET, None, PUSH_TIMEOUT_S)
+        if not (isinstance(answer, dict) and answer.get("success", False)):
+            raise HTTPStatus(500, f"{url} could not reset its prefix cache")
 
     def _workers(self, server: Server) -> int:
         answer = call(
@@ -348,14 +374,21 @@ class TransferPool(ServerPool):
             self.pushed, self.version = True, version
             mode = "keep" if interrupt else "wait"
             while True:
-                live = [s for s in self.servers if s.alive]
+                live = self._answering([s for s in self.servers if s.alive])
                 if not live:
                     self._all_down()
                 try:
                     self._round(live, mode, version, self.snapshot)
                     break
                 except (Unreachable, HTTPStatus) as exc:
-                    self._drop_unhealthy(live, exc)
+                    try:  # left paused: the next round resumes them
+                        self._drop_unhealthy(live, exc)
+                    except BaseException:
+                        self._resume(live)
+                        raise
+                except BaseException:
+                    self._resume(live)
+                    raise
             if self.snapshot is not None:
                 self.sent = self.snapshot
             self.published = directory
@@ -365,56 +398,97 @@ class TransferPool(ServerPool):
         version they hold (a broadcast goes to the whole group); used only once it holds it."""
         if self.sent is None:
             raise ServerError(f"{server.url}: nothing pushed yet to bring it up to")
-        members = [s for s in self.servers if s.alive] + [server]
+        members = self._answering([s for s in self.servers if s.alive]) + [server]
         try:
             # the live ones keep their running requests: the weights they hold do not change
             self._round(members, "keep", self.version, self.sent)
-        except (Unreachable, HTTPStatus):
+        except BaseException:
             self.members = []  # the next push re-forms the group
+            self._resume(members)
             raise
 
     def _round(
         self, servers: list[Server], mode: str, version: int, snapshot: _Snapshot | None
     ) -> None:
         """One push to `servers`: pause, send (`snapshot` None: label what they hold), reset,
-        stamp `version`, resume."""
+        stamp `version`, resume. A round that fails leaves them paused: a broadcast that failed
+        part-way leaves a server with some layers of the new version (`weights_gloo.
+        abandon_reload`), which must not sample under the old stamp; the caller pushes again or
+        resumes them (`_resume`)."""
         urls = [s.url for s in servers]
+        label = self.transport.label
         if snapshot is not None and self.members != urls:
             self.members = []
-            self.open_group(servers)
-        try:
-            self._each(urls, lambda u: call(u, "POST", f"/pause?mode={mode}", None, PUSH_TIMEOUT_S))
-            if snapshot is not None:
-                try:
-                    self.send(snapshot)
-                except Exception as exc:  # the group is broken: the next round opens another
-                    self.members = []
-                    label = self.transport.label
-                    raise Unreachable(f"the {label} weight push failed: {exc}") from None
-            self._each(urls, _reset)
-            body = {"new_version": str(version)}
-            self._each(urls, lambda u: call(u, "POST", "/update_weight_version", body))
-        finally:
-            with contextlib.suppress(ServerError):
-                self._each(urls, lambda u: call(u, "POST", "/resume"))
+            try:
+                self.open_group(servers)
+            except ServerError:
+                raise
+            except Exception as exc:  # the rendezvous timed out: a member went since its check
+                raise Unreachable(f"the {label} weight group did not form: {exc}") from None
+        pause = f"/pause?mode={mode}"
+        self._each(urls, lambda u: self._call(u, "POST", pause, None, PUSH_TIMEOUT_S))
+        if snapshot is not None:
+            try:
+                self.send(snapshot)
+            except Exception as exc:  # the group is broken: the next round opens another
+                self.members = []
+                raise Unreachable(f"the {label} weight push failed: {exc}") from None
+        self._each(urls, self._reset)
+        body = {"new_version": str(version)}
+        stamp = "/update_weight_version"
+        self._each(urls, lambda u: self._call(u, "POST", stamp, body, CHECK_TIMEOUT_S))
+        self._resume(servers)
         for s in servers:
             s.version = version
+
+    def _resume(self, servers: list[Server]) -> None:
+        """Every one of `servers` resumed, all at once (best effort: one that went down is
+        resumed by the round that takes it back)."""
+        with contextlib.suppress(ServerError):
+            self._each([s.url for s in servers], lambda u: call(u, "POST", "/resume"))
+
+    def _answering(self, servers: list[Server]) -> list[Server]:
+        """`servers` less those that do not answer their health (`_silent`), which are marked
+        down: a member that stopped must not be waited for inside the group (a broadcast waits
+        for every member)."""
+        silent = self._silent(servers)
+        for s in servers:
+            if s.url in silent:
+                self._down(s, Unreachable(f"{silent[s.url]} before a weight push"))
+        return [s for s in servers if s.url not in silent]
+
+    def _silent(self, servers: list[Server]) -> dict[str, str]:
+        """The URLs of `servers` that do not answer `GET /health` within the stall time
+        (`rollout.server_stall_s`; the check timeout where it is 0), all asked at once, each
+        with why."""
+        wait_s = self.watch.stall_s if self.watch is not None else self.check_timeout_s
+
+        def ask(server: Server) -> str | None:
+            try:
+                call(server.url, "GET", "/health", None, wait_s, cancel=self.closed)
+            except Cancelled:
+                raise
+            except TooLate:
+                return f"stalled: no answer to GET /health within {wait_s:g} s"
+            except ServerError as exc:
+                return str(exc)
+            return None
+
+        with ThreadPoolExecutor(max_workers=max(1, len(servers))) as ex:
+            whys = list(ex.map(ask, servers))
+        return {s.url: why for s, why in zip(servers, whys, strict=True) if why is not None}
 
     def _drop_unhealthy(self, servers: list[Server], exc: Exception) -> None:
         """After a failed push: the servers that do not answer their health are down; if all
         answer, the push itself failed (NoServerLeft: the run stops, one line)."""
-        gone = []
-        for s in servers:
-            try:
-                call(s.url, "GET", "/health", None, CHECK_TIMEOUT_S)
-            except ServerError:
-                gone.append(s)
+        gone = self._silent(servers)
         if not gone:
             for s in servers:
                 self._down(s, exc)
             raise NoServerLeft(f"the {self.transport.label} weight push failed: {exc}")
-        for s in gone:
-            self._down(s, exc)
+        for s in servers:
+            if s.url in gone:
+                self._down(s, exc)
 
     def close(self) -> None:
         super().close()
@@ -443,11 +517,3 @@ def _load(spec: str) -> Any:
     """`module:attribute`, imported now (vLLM only for the transports that need it)."""
     module, _, name = spec.partition(":")
     return getattr(importlib.import_module(module), name)
-
-
-def _reset(url: str) -> None:
-    answer = call(
-        url, "POST", "/reset_prefix_cache?reset_running_requests=true", None, PUSH_TIMEOUT_S
-    )
-    if not answer.get("success", False):
-        raise HTTPStatus(500, f"{url} could not reset its prefix cache")

@@ -33,6 +33,7 @@ class ServerSettings:
     weights_dir: str | None  # staleness.weights_dir (None: the run dir's weights/)
     nccl_master: str | None
     stall_s: float
+    timeout_s: float  # staleness.weights_timeout_s: the gloo group's wait for a member
     interrupt: bool
     probe_tolerance: float | None  # None: chosen from the dtypes at the first push
     quorum: Quorum  # how many must answer at start (rollout.min_servers)
@@ -53,6 +54,7 @@ class ServerSettings:
             weights_dir=staleness.weights_dir,
             nccl_master=staleness.nccl_master,
             stall_s=float(cfg.rollout.server_stall_s),
+            timeout_s=float(staleness.weights_timeout_s),
             interrupt=bool(staleness.interrupt),
             probe_tolerance=staleness.probe_tolerance,
             quorum=Quorum.of(
@@ -69,9 +71,12 @@ class ServerSettings:
     def describe(self) -> str:
         """The run plan's line: the servers, how weights reach them, whether a push pauses."""
         if self.weights in TRANSPORTS:
-            label = TRANSPORTS[self.weights].label
-            weights = f"weights by {label} through vLLM's weight transfer (group at "
-            weights += f"{self.nccl_master})"
+            transport = TRANSPORTS[self.weights]
+            weights = f"weights by {transport.label} through vLLM's weight transfer (group at "
+            weights += f"{self.nccl_master}"
+            if transport.timed:  # what a member that stops mid-push costs
+                weights += f", a member waited for {self.timeout_s:g} s at most"
+            weights += ")"
         else:
             weights = f"weights by file under {self.weights_dir or '<run dir>/weights'}"
             if self.delta:  # rollout.weights_delta says when a version is written full
@@ -150,7 +155,7 @@ def make_pool(
         host, port = check_master("staleness.nccl_master", settings.nccl_master)
         kind = TransferPool  # on the policy's device, set by ServerWorker._start
         options.update(transport=settings.weights, device="cpu", master_address=host)
-        options.update(master_port=port)
+        options.update(master_port=port, timeout_s=settings.timeout_s)
     return pool_for(
         settings.urls,
         settings.model,

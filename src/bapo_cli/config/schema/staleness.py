@@ -60,6 +60,13 @@ class StalenessConfig:
         "nccl, gloo: HOST:PORT of the weight group's rendezvous, opened by the trainer (its "
         "address as every server reaches it; not torchrun's port)",
     )
+    weights_timeout_s: float = opt(
+        60.0,
+        "gloo: how long the weight group waits for a member (its rendezvous, each broadcast; "
+        "the servers' side too) before the push fails: a server that stopped mid-push costs "
+        "at most this, then it is marked down and the group re-formed over the others; "
+        "longer than one tensor's broadcast to every server (docs/engines.md)",
+    )
     weights_dir: str | None = opt(
         None,
         "filesystem: where versions are written, each run under its own run-<id> subdirectory "
@@ -93,6 +100,7 @@ class StalenessConfig:
         if self.probe_tolerance is not None:
             _positive("probe_tolerance", self.probe_tolerance)
         _positive("weights_full_every", self.weights_full_every)
+        _positive("weights_timeout_s", self.weights_timeout_s)
         if self.weights_delta and self.weights != "filesystem":
             raise ConfigError(
                 "weights_delta",
