@@ -7,10 +7,12 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+
+from bapo_cli.quick_exit import skip_last_collection
 
 REPO = Path(__file__).resolve().parents[1]
 # the benchmark files that ship with the package (rows id, problem, answer; SOURCES.md there)
@@ -57,16 +59,37 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Every collected test, before `-m` deselects (the check needs a module's whole list); the
-    tests marked `quiet` move to the end, in their order."""
+    """Every collected test, before `-m` deselects (the check needs a module's whole list); then
+    the order they run in (`run_order`)."""
     if VLLM_SELECTED:
         _write_lines(VLLM_SELECTED + ".collected", [item.nodeid for item in items])
-    items.sort(key=lambda item: item.get_closest_marker("quiet") is not None)
+    items.sort(key=run_order(items))
+
+
+def run_order(items: list[pytest.Item]) -> Callable[[pytest.Item], tuple[bool, bool]]:
+    """The sort key: the modules that hold a test marked `slow` first, then the others, the tests
+    marked `quiet` last; otherwise the collection's order (a module stays in one piece: its
+    module-scoped fixtures are built once). Two workers (`-n 2`) take tests in this order, so the
+    long ones start early and the last minutes are short tests that end both workers together;
+    collected in path order, tests/train's signal and torchrun tests came last."""
+    slow = {item.nodeid.split("::", 1)[0] for item in items if item.get_closest_marker("slow")}
+
+    def key(item: pytest.Item) -> tuple[bool, bool]:
+        quiet = item.get_closest_marker("quiet") is not None
+        return quiet, item.nodeid.split("::", 1)[0] not in slow
+
+    return key
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
     if VLLM_SELECTED:
         _write_lines(VLLM_SELECTED, [item.nodeid for item in session.items])
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """The test process ends (each xdist worker, the controller): its objects (torch, models,
+    MLflow) are the OS's to free, not Python's one by one (bapo_cli.quick_exit)."""
+    skip_last_collection()
 
 
 def _write_lines(path: str, lines: list[str]) -> None:

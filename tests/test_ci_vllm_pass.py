@@ -76,3 +76,25 @@ def test_quiet_tests_run_last_and_wait_for_the_file(tmp_path) -> None:
     ran = re.findall(r"RAN (\w) ([\d.]+)", out)  # pytest's dots share their lines
     assert [name for name, _ in ran] == ["a", "q"], out
     assert float(ran[1][1]) >= written  # q ran only after the file appeared
+
+
+def test_modules_with_a_slow_test_run_first_whole_and_quiet_tests_last(tmp_path) -> None:
+    """tests/conftest.py `run_order`: a module that holds a test marked `slow` runs before the
+    others, in one piece (its other tests with it), the collection's order kept otherwise; a
+    `quiet` test still runs last. (Two workers take tests in this order: the long ones start
+    early, short ones end the run.)"""
+    (tmp_path / "conftest.py").write_text((REPO / "tests" / "conftest.py").read_text())
+    mark = "import pytest\n\n\n"
+    (tmp_path / "test_a.py").write_text("def test_a1():\n    pass\n\n\ndef test_a2():\n    pass\n")
+    (tmp_path / "test_b.py").write_text(
+        f"{mark}def test_b1():\n    pass\n\n\n@pytest.mark.slow\ndef test_b2():\n    pass\n\n\n"
+        "@pytest.mark.quiet\ndef test_b3():\n    pass\n"
+    )
+    (tmp_path / "test_c.py").write_text(
+        f"{mark}pytestmark = pytest.mark.slow\n\n\ndef test_c1():\n    pass\n"
+    )
+    args = [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider"]
+    done = subprocess.run(args, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    order = [line.split("::")[1] for line in done.stdout.splitlines() if "::" in line]
+    assert order == ["test_b1", "test_b2", "test_c1", "test_a1", "test_a2", "test_b3"]

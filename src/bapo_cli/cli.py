@@ -21,6 +21,7 @@ from rich.text import Text
 
 from bapo_cli import __version__
 from bapo_cli.config.errors import USAGE_EXIT_CODE
+from bapo_cli.quick_exit import skip_last_collection
 
 app = typer.Typer(
     name="bapo",
@@ -502,7 +503,10 @@ _help_from_docstrings()
 
 
 def main() -> None:
-    app()
+    try:
+        app()
+    finally:
+        skip_last_collection()  # the process ends: its objects are the OS's to free
 
 
 if __name__ == "__main__":

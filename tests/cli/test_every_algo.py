@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 from mlflow.tracking import MlflowClient
 
 from bapo_cli.config import hydra_runner
@@ -41,6 +42,7 @@ def _finished(root: Path) -> dict[str, object]:
     }
 
 
+@pytest.mark.slow  # a 23-job sweep in a bapo subprocess
 def test_every_algo_trains_two_steps_from_the_cli(_output_root: Path) -> None:
     result = run_bapo("train", "-m", "algo=glob(*)", *SHRUNK, "algo.resample_rounds=2", timeout=900)
     algos = hydra_runner.group_options("algo")

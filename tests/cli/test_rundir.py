@@ -9,6 +9,8 @@ import sys
 from datetime import datetime
 from pathlib import Path
 
+import pytest
+
 from bapo_cli.launch import rundir
 
 
@@ -65,6 +67,7 @@ launcher.launch("train", overrides, multirun, task)
 """
 
 
+@pytest.mark.slow  # bapo subprocesses
 def test_runs_and_sweeps_started_in_the_same_second_get_distinct_dirs(
     tmp_path: Path, _output_root: Path
 ) -> None:

@@ -65,6 +65,7 @@ def test_pairs_sft_batch_is_a_search_trace_cut_at_the_budget() -> None:
     assert ended and cut
 
 
+@pytest.mark.slow  # trains the warm-up: ~30 s
 def test_pairs_warm_up_learns_the_format(tmp_path) -> None:
     """A short warm-up (seconds): greedy answers are already lists of attempts."""
     cfg = TinyModelConfig(task="pairs", sft_steps=150, sft_batch_size=64, sft_lr=1e-3)

@@ -3,6 +3,8 @@ pooled answer rules) on hand-made runs; the study's loader is tested in test_stu
 
 from __future__ import annotations
 
+import itertools
+import random
 import sys
 
 import pytest
@@ -42,6 +44,44 @@ def test_monte_carlo_agrees_with_exact() -> None:
     _, exact = rep.stratified_permutation_p(strata)
     _, approx = rep.stratified_permutation_p(strata, samples=1_000)  # 70 x 20 > 1000: sampled
     assert abs(exact - approx) < 0.03
+
+
+@pytest.mark.parametrize("n", [1, 2, 7, 12870, 2**31 + 5])
+def test_bulk_draws_are_the_draws_of_choice(n) -> None:
+    """`choice_draws` reads the Mersenne Twister's words in bulk: the same indices, in the same
+    order, as `random.Random(...).choice` one by one (which the committed verdicts were drawn
+    with), and the generator is left as it was."""
+    rng = random.Random(5)
+    before = rng.getstate()
+    bulk = rep.choice_draws(rng, n, 3_000)
+    assert rng.getstate() == before
+    one_by_one = random.Random(5)
+    assert bulk.tolist() == [one_by_one.choice(range(n)) for _ in range(3_000)]
+
+
+def test_monte_carlo_of_equal_strata_is_the_draw_by_draw_count() -> None:
+    """Strata of one size take the bulk draws: p is the one the draw-by-draw loop gives."""
+    strata = [
+        ([0.1, 0.3, 0.2, 0.4], [0.0, 0.1, -0.1, 0.2]),
+        ([0.2, 0.1, 0.3, 0.5], [0.1, 0.0, 0.05, 0.3]),
+    ]
+    observed, p = rep.stratified_permutation_p(strata, samples=1_000)  # 70 x 70 > 1000: sampled
+
+    def stat(a: list[float], b: list[float], idx: tuple[int, ...]) -> float:  # the script's
+        pooled = [*a, *b]
+        sa = sum(pooled[i] for i in idx)
+        return sa / len(a) - (sum(pooled) - sa) / len(b)
+
+    choices = [
+        [stat(a, b, idx) for idx in itertools.combinations(range(len(a) + len(b)), len(a))]
+        for a, b in strata
+    ]
+    rng, tol = random.Random(0), 1e-12 * max(1.0, abs(observed))
+    hits = sum(
+        abs(sum(rng.choice(c) for c in choices) / len(strata)) >= abs(observed) - tol
+        for _ in range(1_000)
+    )
+    assert p == (hits + 1) / 1_001
 
 
 def test_empty_stratum_is_refused() -> None:

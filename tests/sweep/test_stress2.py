@@ -376,6 +376,7 @@ def test_export_and_read_out_from_csv_equal_the_store(tmp_path: Path, capsys) ->
     )
 
 
+@pytest.mark.slow  # 40 permutation tests of 200,000 draws
 def test_the_committed_stress_table_reads_back() -> None:
     """docs/algorithms.md's stress-table results, re-drawn from the committed per-run CSVs (672
     runs, 8 seeds per setting): the 40 answers' real ones, and the ESS answer with its tables."""

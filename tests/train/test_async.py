@@ -267,6 +267,7 @@ def test_a_vllm_worker_is_closed_cleanly_when_training_ends(tmp_path) -> None:
     assert _workers() == []
 
 
+@pytest.mark.slow  # bapo train subprocesses
 def test_kill_9_of_the_trainer_then_resume_trains_every_group_exactly_once(tmp_path) -> None:
     steps, k = 40, 2
     args = (f"staleness={k}", *ASYNC, f"trainer.max_steps={steps}", "trainer.save_every=2")

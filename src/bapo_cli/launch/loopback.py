@@ -32,6 +32,7 @@ from torch.distributed.elastic.rendezvous.static_tcp_rendezvous import StaticTCP
 
 from bapo_cli.launch.forward import exit_quietly_on_signal
 from bapo_cli.launch.multinode import LOOPBACK_BACKEND as BACKEND
+from bapo_cli.quick_exit import skip_last_collection
 
 HOST = "127.0.0.1"
 STORE_TIMEOUT_S = 600  # torchrun's static rendezvous default
@@ -98,7 +99,10 @@ def main(argv: list[str] | None = None) -> None:
     args = run.parse_args(sys.argv[1:] if argv is None else argv)
     if str(args.nproc_per_node).isdigit() and int(args.nproc_per_node) > 1:
         os.environ.setdefault("OMP_NUM_THREADS", "1")
-    exit_quietly_on_signal(lambda: record(run.run)(args))
+    try:
+        exit_quietly_on_signal(lambda: record(run.run)(args))
+    finally:
+        skip_last_collection()  # the agent ends: its objects are the OS's to free
 
 
 if __name__ == "__main__":

@@ -67,14 +67,14 @@ UI_POLL_S = 0.2
 def run_ui(uri: str, port: int, host: str = "127.0.0.1") -> int:
     """`mlflow ui` on `uri` until it exits or this process is told to stop; its exit code.
 
-    The UI runs in a process group of its own (it forks uvicorn workers). SIGTERM, SIGINT and
-    SIGHUP sent to `bapo ui` all stop it the same way: SIGTERM to the whole group, SIGKILL to
-    what is left after `UI_STOP_TIMEOUT_S`, and `bapo ui` exits 128 + the signal it got. Not
-    passed on as they came, because uvicorn reads SIGHUP as "restart the workers" (a closed
-    terminal or ssh session would leave the server running, this process waiting on it), and
-    a SIGINT that reaches `mlflow ui` or a worker still importing prints a KeyboardInterrupt
-    traceback. The output is relayed by a thread, so no child holding the pipe can keep this
-    process from stopping the group.
+    The UI runs in a process group of its own (`mlflow ui` and the uvicorn it starts, one web
+    worker, no job runner: `ui_env`). SIGTERM, SIGINT and SIGHUP sent to `bapo ui` all stop it
+    the same way: SIGTERM to the whole group, SIGKILL to what is left after `UI_STOP_TIMEOUT_S`,
+    and `bapo ui` exits 128 + the signal it got. Not passed on as they came, because a
+    multi-worker uvicorn reads SIGHUP as "restart the workers" (with MLflow's 4 workers a closed
+    terminal or ssh session left the server running, this process waiting on it), and a SIGINT
+    that reaches uvicorn prints a KeyboardInterrupt traceback. The output is relayed by a
+    thread, so no child holding the pipe can keep this process from stopping the group.
 
     The URI goes in the environment (`MLFLOW_BACKEND_STORE_URI`), not the command line that
     other users can list, and the UI's output is relayed line by line, masked: MLflow's own
@@ -85,8 +85,9 @@ def run_ui(uri: str, port: int, host: str = "127.0.0.1") -> int:
     import threading
 
     command = [sys.executable, "-m", "mlflow", "ui", "--host", host, "--port", str(port)]
+    command += ["--workers", "1"]  # one person's browser: MLflow's 4 web workers by default
     command += ["--uvicorn-opts", "--log-level warning"]  # its warnings and errors, no INFO
-    env = {**os.environ, "MLFLOW_BACKEND_STORE_URI": uri, **quiet_ui_env()}
+    env = {**os.environ, "MLFLOW_BACKEND_STORE_URI": uri, **ui_env()}
     received: list[int] = []  # the handler only appends: the main loop below acts on it
 
     def note(signum: int, _frame: object) -> None:
@@ -130,11 +131,19 @@ def run_ui(uri: str, port: int, host: str = "127.0.0.1") -> int:
 STARLETTE_WSGI_WARNING = "ignore:starlette.middleware.wsgi is deprecated"
 
 
-def quiet_ui_env() -> dict[str, str]:
-    """The UI's environment additions: MLflow's own logs from WARNING up, and no Starlette
-    deprecation warning (the user's PYTHONWARNINGS kept)."""
+# MLflow 3's server also starts a job runner and 7 Huey consumers (GenAI jobs: scorers, prompt
+# optimisation), each a Python process importing MLflow; the UI of training runs uses none
+JOB_EXECUTION = "MLFLOW_SERVER_ENABLE_JOB_EXECUTION"
+
+
+def ui_env() -> dict[str, str]:
+    """The UI's environment additions: MLflow's own logs from WARNING up, no Starlette
+    deprecation warning (the user's PYTHONWARNINGS kept) and no job runner (unless the user
+    set MLFLOW_SERVER_ENABLE_JOB_EXECUTION)."""
     warnings = [w for w in (os.environ.get("PYTHONWARNINGS"), STARLETTE_WSGI_WARNING) if w]
-    return {"MLFLOW_LOGGING_LEVEL": "WARNING", "PYTHONWARNINGS": ",".join(warnings)}
+    env = {"MLFLOW_LOGGING_LEVEL": "WARNING", "PYTHONWARNINGS": ",".join(warnings)}
+    env[JOB_EXECUTION] = os.environ.get(JOB_EXECUTION, "false")
+    return env
 
 
 def _relay(stream: Any) -> None:
