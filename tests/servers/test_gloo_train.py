@@ -104,6 +104,7 @@ class Faults:
             thawed = time.monotonic()
             wait_for(self._back, 120, "server 1 taken back")
             self.seconds["back"] = time.monotonic() - thawed
+            self.marks["back_at"] = self.steps()
             wait_for(self._both_pushed, 120, "a push to both")
             self.marks["back"] = self.steps()
         except BaseException as exc:  # noqa: BLE001 - handed to the test
@@ -204,7 +205,9 @@ def test_async_with_gloo_weights_and_a_server_stopped_at_a_push(fleet, tmp_path,
     print(  # noqa: T201
         f"\ngloo: {steps} steps in {run_s:.0f} s; server 1 stopped at the push of version "
         f"{version} ({push_s:.1f} s, after step {marks['pushed']}), thawed after step "
-        f"{marks['alone']}, back {faults.seconds['back']:.1f} s later, pushed to again by step "
+        f"{marks['alone']}, back {faults.seconds['back']:.1f} s later (step {marks['back_at']}), "
+        "pushed to again by step "
         f"{marks['back']}; {len(pushes)} pushes each "
-        f"probed, max {max(probes):.2e}; server 1 at version {held_version}: {diff:.2e}"
+        f"probed, max {max(probes):.2e}; server 1 at version {held_version}: {diff:.2e}; "
+        f"pushes (version: servers) {' '.join(f'{e[1]}:{len(e[3])}' for e in pushes)}"
     )

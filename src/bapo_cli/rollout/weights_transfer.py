@@ -366,29 +366,28 @@ class TransferPool(ServerPool):
 
     def push(self, directory: Path | None, version: int, *, interrupt: bool) -> None:
         """Pause every live server, send the staged weights (re-forming the group first if the
-        live servers changed), reset their caches, stamp `version`, resume. A server that fails
-        the push is marked down and the push is made again without it; NoServerLeft when none
-        is left."""
+        live servers changed), reset their caches, stamp `version`, resume. A server that does
+        not answer its health is left out first (`_answering`); one that fails the push is
+        marked down and the push is made again without it; NoServerLeft when none is left."""
         with self.lock:
             # before the stamp: tokens of `version` may come back while the push finishes
             self.pushed, self.version = True, version
             mode = "keep" if interrupt else "wait"
-            while True:
-                live = self._answering([s for s in self.servers if s.alive])
-                if not live:
-                    self._all_down()
-                try:
-                    self._round(live, mode, version, self.snapshot)
-                    break
-                except (Unreachable, HTTPStatus) as exc:
-                    try:  # left paused: the next round resumes them
+            touched: list[Server] = []  # the members a failed round left paused
+            try:
+                while True:
+                    live = self._answering([s for s in self.servers if s.alive])
+                    if not live:
+                        self._all_down()
+                    touched = live
+                    try:
+                        self._round(live, mode, version, self.snapshot)
+                        break
+                    except (Unreachable, HTTPStatus) as exc:  # the next round resumes them
                         self._drop_unhealthy(live, exc)
-                    except BaseException:
-                        self._resume(live)
-                        raise
-                except BaseException:
-                    self._resume(live)
-                    raise
+            except BaseException:  # given up: never left paused
+                self._resume(touched)
+                raise
             if self.snapshot is not None:
                 self.sent = self.snapshot
             self.published = directory
