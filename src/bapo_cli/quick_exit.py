@@ -1,9 +1,8 @@
 """A process that ends does not free its objects one by one.
 
-Python's teardown walks every object the process still holds and frees it: with torch,
-transformers and MLflow imported that is ~1.4 s of CPU for a `bapo train` (0.6 s for the torchrun
-agent, torch alone), measured on this 2-core machine, in every process a run starts (ranks,
-launchers, sweeps) and 3-4 s of wall time on a loaded one; the OS takes the memory back at once.
+Python's teardown walks every object the process still holds and frees it one by one: with
+torch, transformers and MLflow imported, about a second of CPU in every process a run starts
+(ranks, launchers, sweeps; docs/setup.md), while the OS takes the memory back at once.
 `skip_last_collection` collects the garbage made so far (its finalizers run) and freezes the rest
 out of the last collection (`gc.freeze`). The atexit handlers still run after it: logs flushed
 and closed, grading workers stopped, MLflow's queue drained.
