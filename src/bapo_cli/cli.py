@@ -466,9 +466,11 @@ def ui(
     from bapo_cli import redact
     from bapo_cli.tracking import server, store
 
-    tracking = _preflight("train", []).config.tracking
-    uri = tracking.uri if uri is None else uri
-    address = store.ui_address(uri, experiment or tracking.experiment, "127.0.0.1", port)
+    if uri is None or experiment is None:  # the train config's defaults (composing it: seconds)
+        tracking = _preflight("train", []).config.tracking
+        uri = tracking.uri if uri is None else uri
+        experiment = experiment or tracking.experiment
+    address = store.ui_address(uri, experiment, "127.0.0.1", port)
     _say(f"MLflow UI for {redact.text(uri)}: {address}  (Ctrl-C stops it)")
     raise typer.Exit(server.run_ui(uri, port))
 
