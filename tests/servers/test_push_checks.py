@@ -99,6 +99,9 @@ class _Handler(BaseHTTPRequestHandler):
                 answer = self.server.answer_reload([*args, spec["base"], str(spec["lease_s"])])
                 for result in answer["results"]:  # done "in one call", as the extension says
                     result["fused"] = True
+                if spec.get("fuse"):  # ... which stamps the version in that call: so does this
+                    stamp = json.dumps({"new_version": str(spec["version"])}).encode()
+                    _forward(self.server.target + "/update_weight_version", "POST", stamp)
                 self._send(200, json.dumps(answer).encode())
                 return
         self._relay(body)
