@@ -148,3 +148,11 @@ def test_the_summary_prints_each_stage_and_mfu_only_where_known() -> None:
     assert "perf/update_mfu n/a n/a" in " ".join(cpu.replace("│", " ").split())
     gpu = _rendered([{**step, "perf/update_mfu": 0.25}] * 2)
     assert "perf/update_mfu 0.2500 0.2500" in " ".join(gpu.replace("│", " ").split())
+
+
+def test_a_metric_missing_from_one_window_prints_a_dash() -> None:
+    """Rank 1 of a resumed data-parallel run with servers: its history from the checkpoint has
+    the push metrics, its own steps do not (only rank 0 pushes). CI's vLLM pass, at 273ce70."""
+    pushed = {"reward/mean": 0.5, "servers/push_bytes": 2.5e7}
+    table = _rendered([pushed, {"reward/mean": 0.25}])
+    assert "servers/push_bytes 2.5e+07 -" in " ".join(table.replace("│", " ").split())
