@@ -4,8 +4,8 @@ The trainer around it: test_sigterm.py (one process) and test_sigterm_torchrun.p
 
 from __future__ import annotations
 
-import os
 import signal
+import threading
 import time
 
 import pytest
@@ -23,8 +23,12 @@ from bapo_cli.trainer.interrupt import (
 
 
 def _send(signum: int) -> None:
-    """A real signal to this process; its Python handler runs before this returns."""
-    os.kill(os.getpid(), signum)
+    """A real signal to this process, delivered to this (the main) thread before pthread_kill
+    returns, so its Python handler runs at the next bytecode. `os.kill` to the process may hand it
+    to another thread, and on a loaded machine that thread ran the C handler after the 10 ms the
+    test slept (CI at 5309e2f, load 6 on 2 cores)."""
+    assert threading.current_thread() is threading.main_thread()  # Python runs handlers there
+    signal.pthread_kill(threading.get_ident(), signum)
     time.sleep(0.01)
 
 
