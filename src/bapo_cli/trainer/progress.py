@@ -147,8 +147,8 @@ PUSHES = ("servers/push_bytes", "servers/push_delta")
 
 
 def _number(value: float | None) -> str:
-    """A window's mean; '-' where no step of that window logged the metric (a rank that does
-    not push, resumed from a history that has pushes)."""
+    """A window's mean; '-' where no step of that window logged the metric (seen: rank 1 of a
+    resumed --nproc 2 run with servers, push metrics in its first tenth only)."""
     if value is None:
         return "-"
     return f"{value:.4f}" if abs(value) < 1e6 else f"{value:.4g}"  # bytes: 8.16e+07
