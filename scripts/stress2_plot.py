@@ -69,12 +69,12 @@ def plot(settings: dict[str, Runs], out: Path) -> list[Path]:
     out.mkdir(parents=True, exist_ok=True)
     colors = plt.get_cmap("tab10").colors
     paths = [out / "heldout_change.png", out / "ess_collapse.png"]
-    _draw_changes(plt, colors, settings, paths[0])
+    draw_changes(plt, colors, settings, paths[0])
     _draw_ess(plt, colors, settings, paths[1])
     return paths
 
 
-def _draw_changes(plt, colors, settings: dict[str, Runs], path: Path) -> None:
+def draw_changes(plt, colors, settings: dict[str, Runs], path: Path) -> None:
     """heldout_change.png: per arm, a dot per run by setting, each configuration's mean."""
     fig, axes = plt.subplots(1, len(stress2.ARMS), figsize=(12, 7.5), squeeze=False)
     for ax, arm in zip(axes[0], stress2.ARMS, strict=True):
