@@ -45,10 +45,10 @@ def per_seed(settings: dict[str, Runs]) -> str:
                 if r.arm == arm and r.algo == config
             }
             cells = [found.get((name, s)) for name in settings for s in seeds]
-            present = [v for v in cells if v is not None]
-            mean = f"{sum(present) / len(present):+.3f}" if present else "–"
+            mean = paper45.study_v3.mean([v for v in cells if v is not None])
             text = ["–" if v is None else f"{v:+.3f}" for v in cells]
-            lines.append(f"| {config} | " + " | ".join(text) + f" | {mean} |")
+            tail = "–" if mean is None else f"{mean:+.3f}"
+            lines.append(f"| {config} | " + " | ".join(text) + f" | {tail} |")
         parts.append("\n".join(lines) + "\n")
     return "\n".join(parts)
 
