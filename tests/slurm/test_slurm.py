@@ -11,7 +11,10 @@
   - the time-limit warning (`--signal=B:USR1@N`): the script passes SIGUSR1 on, the run saves,
     the script requeues the job, and the next attempt resumes likewise;
   - `scancel`: saved, the MLflow run KILLED, the job not requeued; submitting the same script
-    again continues the run.
+    again continues the run;
+  - a SIGTERM to every process of a job SLURM does not end (preemption with a GraceTime):
+    saved, the run KILLED (srun, which turns a SIGTERM into a SIGKILL of its step, is not in a
+    one-node script any more).
   No torchrun traceback in any job log.
 
 Before: the script asked for `--gpus-per-node=1` whatever the node (sbatch refused it here),
@@ -51,7 +54,6 @@ skip_module_unless_possible()
 pytestmark = pytest.mark.slow
 
 STEPS = 30
-SCRIPT_RUN = [*TRACKED, f"trainer.max_steps={STEPS}", "trainer.save_every=3"]
 JOB_S = 300  # one attempt: process start-up and 30 tiny steps, on a loaded 2-core machine
 
 
@@ -132,12 +134,12 @@ def test_the_written_script_meets_requeue_the_time_limit_warning_and_scancel_as_
         subprocess.run(["scancel", job_id], check=True)
         info = wait_done(job_id, JOB_S, restarts=2)
         assert info["JobState"] == "CANCELLED", info
-        (run,) = _runs(_output_root)
-        assert run.info.status == "KILLED"
         third = _attempts(log, 3)[2]
-        _assert_continued(third, run_dir, second_saved, rows_2, _output_root, ended=False)
         cancelled = _saved(run_dir)
-        assert f"stopped by SIGTERM at step {cancelled}" in third
+        assert f"stopped by SIGTERM at step {cancelled}" in third, third[-3000:]
+        (run,) = _runs(_output_root)
+        assert run.info.status == "KILLED", third[-3000:]
+        _assert_continued(third, run_dir, second_saved, rows_2, _output_root, ended=False)
         rows_3 = (run_dir / "samples.jsonl").read_text().splitlines()
         # 4. the same script submitted again: a new job, the same run, to its end
         jobs.append(again := sbatch(script, tmp_path))
@@ -149,12 +151,37 @@ def test_the_written_script_meets_requeue_the_time_limit_warning_and_scancel_as_
     assert run.info.status == "FINISHED"
 
 
+def test_a_sigterm_to_a_job_slurm_does_not_end_is_saved_as_preemption_with_grace_time_needs(
+    slurm: None, _output_root: Path, tmp_path: Path
+) -> None:
+    """SIGTERM to every process of a job that goes on (what a preemption with a GraceTime sends;
+    here `scancel --signal=TERM --full`): the step ends, the checkpoint, the run KILLED.
+
+    Before: srun, signalled with the batch shell, turned the SIGTERM into a SIGKILL of its step
+    ("srun: forcing job termination") while the job was alive to take it: the ranks died
+    mid-step, no checkpoint at the stop, the MLflow run left RUNNING."""
+    script, run_dir = _write_script(tmp_path, steps=100_000)  # only the signal ends it
+    with cancelled_at_exit([]) as jobs:
+        jobs.append(job_id := sbatch(script, tmp_path))
+        log = tmp_path / f"bapo-train-{job_id}.out"
+        wait_until(lambda: _saved(run_dir), JOB_S, "the first checkpoint")
+        subprocess.run(["scancel", "--signal=TERM", "--full", job_id], check=True)
+        info = wait_done(job_id, JOB_S)
+    (attempt,) = _attempts(log, 1)
+    stopped = _saved(run_dir)
+    assert f"stopped by SIGTERM at step {stopped}" in attempt, attempt[-3000:]
+    assert info["ExitCode"] == "143:0", info  # the script exits with the run's 128 + 15
+    (run,) = _runs(_output_root)
+    assert run.info.status == "KILLED"
+
+
 # ------------------------------------------------------------------------------------- helpers
 
 
-def _write_script(tmp_path: Path) -> tuple[Path, Path]:
+def _write_script(tmp_path: Path, steps: int = STEPS) -> tuple[Path, Path]:
     script = tmp_path / "job.sbatch"
-    args = ["--slurm-script", str(script), "--nproc", "1", *SCRIPT_RUN]
+    run = [*TRACKED, f"trainer.max_steps={steps}", "trainer.save_every=3"]
+    args = ["--slurm-script", str(script), "--nproc", "1", *run]
     wrote = run_bapo("train", *args, cwd=tmp_path)  # the job's log is written there
     assert wrote.returncode == 0, wrote.stderr
     (run_dir,) = re.findall(r"^run_dir=(\S+)", script.read_text(), re.M)

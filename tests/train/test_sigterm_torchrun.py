@@ -23,14 +23,14 @@ import pytest
 import torch
 
 from bapo_cli.trainer import checkpoint
-from tests.train.test_ctrl_c import TRACKED, Bapo, _runs
+from tests.train.test_ctrl_c import LONG, TRACKED, Bapo, _runs
 
 pytestmark = pytest.mark.slow
 
 STEPS = "trainer.max_steps=20"  # a status line after every step
 
 
-def _ranks(launcher: int, timeout_s: float = 60) -> dict[int, psutil.Process]:
+def _ranks(launcher: int, timeout_s: float = 60, count: int = 2) -> dict[int, psutil.Process]:
     """The training processes under `launcher` (bapo → torchrun's agent → ranks), by rank."""
     deadline = time.monotonic() + timeout_s
     while True:
@@ -42,9 +42,16 @@ def _ranks(launcher: int, timeout_s: float = 60) -> dict[int, psutil.Process]:
                     found[int(env["RANK"])] = proc
             except (psutil.NoSuchProcess, psutil.AccessDenied):
                 continue
-        if len(found) == 2 or time.monotonic() > deadline:
+        if len(found) == count or time.monotonic() > deadline:
             return found
         time.sleep(0.2)
+
+
+def _alive(proc: psutil.Process) -> bool:
+    try:
+        return proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
 
 
 def _checkpoint(run_dir: Path) -> dict:
@@ -98,3 +105,58 @@ def test_all_ranks_stop_at_one_step_whichever_rank_the_signal_reaches(
     assert run.info.status == "KILLED"
     rng = [r["rng"]["torch"] for r in saved["ranks"]]
     assert not torch.equal(rng[0], rng[1])  # each rank's own state, not one copied
+
+
+def test_a_rank_whose_agent_is_killed_stops_as_a_sigterm_stops_it(
+    _output_root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """torchrun's agent killed outright (kill -9 here; srun forcing a step's end, the OOM
+    killer): the kernel sends its orphaned rank a SIGTERM (PR_SET_PDEATHSIG), and the rank ends
+    its step, saves and closes the run KILLED. Before: it trained on unseen, outside the process
+    tree SLURM signals, until a broken pipe closed its MLflow run FAILED."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    bapo = Bapo("train", "--nproc", "1", *TRACKED, LONG, cwd=tmp_path)
+    bapo.wait_for("step 1/", timeout_s=300)  # the next status line comes minutes later
+    (rank,) = _ranks(bapo.proc.pid, count=1).values()
+    rank.parent().kill()  # the agent
+    try:
+        rank.wait(120)
+    except psutil.TimeoutExpired:
+        rank.kill()
+        raise AssertionError("the rank outlived its agent:\n" + bapo.output()) from None
+    bapo.finish(60)
+    out = bapo.output()
+    (run_dir,) = (_output_root / "runs").glob("*/*")
+    step = _checkpoint(run_dir)["state"]["step"]
+    assert f"(stopped by SIGTERM at step {step})" in out, out
+    assert "Traceback" not in out
+    (run,) = _runs(_output_root)
+    assert run.info.status == "KILLED"
+
+
+def test_torchrun_s_agent_waits_for_the_rank_s_save_however_often_it_is_signalled(
+    _output_root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """SIGTERM three times to the agent (SLURM signals every process of a job; the batch script
+    passes the signal on; an impatient scancel): it acts on the first and waits for the rank.
+    Before: each repeat raised torchrun's SignalException inside that wait, and the agent left
+    while the rank was still saving and closing its run."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    bapo = Bapo("train", "--nproc", "1", *TRACKED, LONG, cwd=tmp_path)
+    bapo.wait_for("step 1/", timeout_s=300)
+    (rank,) = _ranks(bapo.proc.pid, count=1).values()
+    agent = rank.parent()
+    for _ in range(3):
+        agent.send_signal(signal.SIGTERM)
+        time.sleep(0.05)
+    agent.wait(120)
+    alive = _alive(rank)
+    bapo.finish(60)
+    assert not alive, "the agent left before its rank:\n" + bapo.output()
+    out = bapo.output()
+    (run_dir,) = (_output_root / "runs").glob("*/*")
+    step = _checkpoint(run_dir)["state"]["step"]
+    assert f"(stopped by SIGTERM at step {step})" in out, out
+    assert "Traceback" not in out
+    (run,) = _runs(_output_root)
+    assert run.info.status == "KILLED"

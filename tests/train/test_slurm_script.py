@@ -73,6 +73,8 @@ def test_the_gpu_form_runs_one_torchrun_per_node_with_c10d_and_continues_one_run
         f"trainer.stop_grace_s=100 'tracking.run_name=a b' {root} trainer.resume=true "
         f"hydra.run.dir={run_dir} &",
         "trap 'warned=1; kill -USR1 \"$srun_pid\" 2>/dev/null' USR1",
+        # a TERM to srun would make it SIGKILL the ranks: the job's steps are signalled instead
+        "trap 'scancel --signal=TERM \"$SLURM_JOB_ID\" 2>/dev/null' TERM",
         'if [ "$warned" = 1 ] && [ "$code" = 138 ]; then',
         '  scontrol requeue "$SLURM_JOB_ID"',
     ):
@@ -93,6 +95,9 @@ def test_gpus_only_when_asked_and_one_node_keeps_its_store_on_the_loopback(
     assert "--gpus-per-node" not in text and "head=" not in text
     assert " -m bapo_cli.launch.loopback \\" in text
     assert "  --rdzv-backend=bapo-loopback \\" in text.splitlines()
+    # one node: torchrun in the batch step, no srun (a SIGTERM to srun kills its step)
+    assert "srun" not in text
+    assert "trap 'kill -TERM \"$torchrun_pid\" 2>/dev/null' TERM" in text.splitlines()
     asked = run_bapo("train", "--slurm-script", str(script), "--gpus-per-node", "1", cwd=tmp_path)
     assert asked.returncode == 0 and "#SBATCH --gpus-per-node=1" in script.read_text()
 

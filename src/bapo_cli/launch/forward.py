@@ -60,10 +60,29 @@ def exit_quietly_on_signal(agent: Callable[[], object]) -> None:
     use it: `agent_main` below and bapo_cli.launch.loopback, one node's)."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
 
+    _first_stop_signal_only()
     try:
         agent()
     except SignalException as exc:
         sys.exit(128 + int(exc.sigval))
+
+
+def _first_stop_signal_only() -> None:
+    """torchrun's agent raises SignalException at every stop signal, so a second one (SLURM
+    signals every process of a job and the batch script passes the signal on as well) cut short
+    its wait for the ranks' save and it left them saving, orphaned. The agent now acts on the
+    first and ignores the rest (the ranks get theirs directly or from the first)."""
+    from torch.distributed.elastic.multiprocessing import api
+
+    act = api._terminate_process_handler
+    seen: list[int] = []
+
+    def first_only(signum: int, frame: object) -> None:
+        if not seen:
+            seen.append(signum)
+            act(signum, frame)
+
+    api._terminate_process_handler = first_only
 
 
 def agent_main(argv: list[str]) -> None:

@@ -1,12 +1,17 @@
 """The sbatch script `bapo train --slurm-script FILE` writes: one run that survives preemption,
 requeue and its time limit.
 
-One srun task per node, each a torchrun starting the node's `--nproc` processes (the recipe of
-torchrun's and prime-rl's documentation; submitit and torchrun are not combined: each would start
-the per-GPU processes). One node: torchrun with its store on 127.0.0.1 (bapo_cli.launch.loopback,
-no fixed port, so two jobs on one node do not collide); several: c10d at the allocation's first
-node, `--rdzv-id=$SLURM_JOB_ID`. Either torchrun runs through bapo's wrapper, which ends a stop
-signal it passed on with 128 + N instead of torchrun's SignalException traceback.
+One node: torchrun runs in the batch step itself (bapo_cli.launch.loopback, its store on
+127.0.0.1 with no fixed port, so two jobs on one node do not collide). Several: one srun task per
+node, each a torchrun starting the node's `--nproc` processes (the recipe of torchrun's and
+prime-rl's documentation; submitit and torchrun are not combined: each would start the per-GPU
+processes), c10d at the allocation's first node, `--rdzv-id=$SLURM_JOB_ID`. Either torchrun runs
+through bapo's wrapper, which ends a stop signal it passed on with 128 + N instead of torchrun's
+SignalException traceback. Why no srun on one node: srun turns a SIGTERM it receives into a
+SIGKILL of its step ("srun: forcing job termination"), and SLURM signals srun too whenever it
+signals the whole job; while the job is still alive (preemption with a GraceTime, `scancel
+--signal=TERM --full`) that SIGKILL lands and the ranks die mid-step, unsaved (seen here). Across
+nodes srun cannot be avoided: there a preemption must warn with SIGUSR1 (docs/distributed.md).
 
 What makes every attempt of the job continue one run:
 - the run dir is fixed when the script is written (claimed then, `hydra.run.dir=<abs path>`) and
@@ -15,11 +20,14 @@ What makes every attempt of the job continue one run:
 - `--requeue` (preemption puts the job back in the queue) and `--open-mode=append` (the log of
   every attempt in one file);
 - `--signal=B:USR1@LEAD`: SLURM signals the batch shell LEAD s before the time limit; its trap
-  passes SIGUSR1 on to srun (srun to torchrun, torchrun to the ranks), the ranks finish or abandon
-  the step within `trainer.stop_grace_s`, save and exit 138, and the script requeues the job;
+  passes SIGUSR1 on to torchrun (across nodes through srun), torchrun to the ranks, the ranks
+  finish or abandon the step within `trainer.stop_grace_s`, save and exit 138, and the script
+  requeues the job;
 - SIGTERM (preemption, `scontrol requeue`, `scancel`, the time limit itself) reaches every
-  process of the job from SLURM; the script waits for srun, so the save completes within
-  KillWait, and SLURM (not the script) decides whether the job runs again.
+  process of the job from SLURM; the script waits for torchrun (srun), so the save completes
+  within KillWait, and SLURM (not the script) decides whether the job runs again. A SIGTERM to
+  the batch shell alone is passed on: to torchrun, or across nodes to the job's steps
+  (`scancel --signal=TERM`, which leaves srun's batch step alone).
 The script's python is the one that wrote it, and it `cd`s to where it was written: the nodes
 must see that environment and the run dir (a shared file system).
 """
@@ -159,10 +167,17 @@ def script(
     env = forward.agent_env(grace_s, env={})
     python = shlex.quote(sys.executable)
     if topo.nnodes == 1:
-        # torchrun's store on the loopback, no port for two jobs on one node to collide on
+        # torchrun's store on the loopback, no port for two jobs on one node to collide on; no
+        # srun (module docstring: srun turns a SIGTERM into a SIGKILL of its step)
         launcher = [f"{python} -m {LOOPBACK_MODULE}", *torchrun_args(Topology(topo.nproc, 1))]
+        pid, on_term = "torchrun_pid", 'kill -TERM "$torchrun_pid" 2>/dev/null'
     else:
-        launcher = [f"{python} -m bapo_cli.launch.forward", *_c10d_flags(topo, port)]
+        launcher = [
+            f"srun --ntasks-per-node=1 {python} -m bapo_cli.launch.forward",
+            *_c10d_flags(topo, port),
+        ]
+        # the job's steps, not the batch step: srun, in it, would SIGKILL the ranks
+        pid, on_term = "srun_pid", 'scancel --signal=TERM "$SLURM_JOB_ID" 2>/dev/null'
     command = " ".join(shlex.quote(a) for a in program) + " &"
     return "\n".join(
         [
@@ -179,17 +194,18 @@ def script(
             *([HEAD] if topo.nnodes > 1 else []),
             'echo "bapo: job $SLURM_JOB_ID, attempt $((${SLURM_RESTART_COUNT:-0} + 1)), '
             'run dir $run_dir"',
-            f"srun --ntasks-per-node=1 {launcher[0]} \\",
+            f"{launcher[0]} \\",
             *(f"  {flag} \\" for flag in launcher[1:]),
             f"  {command}",
-            "srun_pid=$!",
+            f"{pid}=$!",
             "warned=0",
             "# the time-limit warning (--signal=B:USR1@N) reaches this shell only: pass it on",
-            "trap 'warned=1; kill -USR1 \"$srun_pid\" 2>/dev/null' USR1",
-            "# SIGTERM reaches every process of the job from SLURM: wait for their save",
-            "trap 'kill -TERM \"$srun_pid\" 2>/dev/null' TERM",
-            'while kill -0 "$srun_pid" 2>/dev/null; do wait "$srun_pid"; done',
-            'wait "$srun_pid"; code=$?',
+            f"trap 'warned=1; kill -USR1 \"${pid}\" 2>/dev/null' USR1",
+            "# SIGTERM to this shell alone (scancel --signal=TERM --batch) is passed on; SLURM's",
+            "# own (requeue, preemption, scancel, the time limit) reaches every process anyway",
+            f"trap '{on_term}' TERM",
+            f'while kill -0 "${pid}" 2>/dev/null; do wait "${pid}"; done',
+            f'wait "${pid}"; code=$?',
             f'if [ "$warned" = 1 ] && [ "$code" = {STOP_CODE_USR1} ]; then',
             '  echo "bapo: saved at the time-limit warning; requeueing job $SLURM_JOB_ID"',
             '  scontrol requeue "$SLURM_JOB_ID"',

@@ -36,7 +36,10 @@ process (`--nproc 1`) joins a process group, so the NCCL/FSDP2 code path runs on
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
+import signal
+import sys
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -207,6 +210,24 @@ def launched_by_torchrun() -> bool:
     return "RANK" in os.environ and "MASTER_ADDR" in os.environ
 
 
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def stop_with_agent() -> None:
+    """A SIGTERM to this rank when torchrun's agent, its parent, dies (Linux; elsewhere nothing).
+    An agent killed outright (srun forcing a step's end, the OOM killer, kill -9) leaves its
+    ranks orphaned: outside the process tree SLURM signals, they would train on unseen and
+    close the MLflow run FAILED at the first broken pipe. With the signal the rank stops as a
+    SIGTERM stops it: the step ends, a checkpoint is written, the run is closed KILLED."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ or not sys.platform.startswith("linux"):
+        return
+    agent = os.getppid()
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    if os.getppid() != agent:  # it died before prctl took effect
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
 def from_env(strategy: str = "ddp", timeout_min: float = 60.0) -> DistContext:
     """Join the process group torchrun described in the environment (no-op without torchrun).
 
@@ -217,6 +238,7 @@ def from_env(strategy: str = "ddp", timeout_min: float = 60.0) -> DistContext:
         raise ValueError(f"trainer.strategy={strategy}: unknown; valid: {', '.join(STRATEGIES)}")
     if not launched_by_torchrun():
         return DistContext(strategy=strategy)
+    stop_with_agent()
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank, local = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
     if not dist.is_initialized():
