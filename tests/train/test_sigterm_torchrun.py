@@ -114,10 +114,7 @@ def test_a_rank_whose_agent_is_killed_stops_as_a_sigterm_stops_it(
     killer): the kernel sends its orphaned rank a SIGTERM (PR_SET_PDEATHSIG), and the rank ends
     its step, saves and closes the run KILLED. Before: it trained on unseen, outside the process
     tree SLURM signals, until a broken pipe closed its MLflow run FAILED."""
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    bapo = Bapo("train", "--nproc", "1", *TRACKED, LONG, cwd=tmp_path)
-    bapo.wait_for("step 1/", timeout_s=300)  # the next status line comes minutes later
-    (rank,) = _ranks(bapo.proc.pid, count=1).values()
+    bapo, rank = _one_rank(tmp_path, monkeypatch)
     rank.parent().kill()  # the agent
     try:
         rank.wait(120)
@@ -125,13 +122,7 @@ def test_a_rank_whose_agent_is_killed_stops_as_a_sigterm_stops_it(
         rank.kill()
         raise AssertionError("the rank outlived its agent:\n" + bapo.output()) from None
     bapo.finish(60)
-    out = bapo.output()
-    (run_dir,) = (_output_root / "runs").glob("*/*")
-    step = _checkpoint(run_dir)["state"]["step"]
-    assert f"(stopped by SIGTERM at step {step})" in out, out
-    assert "Traceback" not in out
-    (run,) = _runs(_output_root)
-    assert run.info.status == "KILLED"
+    _assert_saved_and_killed(bapo, _output_root)
 
 
 def test_torchrun_s_agent_waits_for_the_rank_s_save_however_often_it_is_signalled(
@@ -141,10 +132,7 @@ def test_torchrun_s_agent_waits_for_the_rank_s_save_however_often_it_is_signalle
     passes the signal on; an impatient scancel): it acts on the first and waits for the rank.
     Before: each repeat raised torchrun's SignalException inside that wait, and the agent left
     while the rank was still saving and closing its run."""
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    bapo = Bapo("train", "--nproc", "1", *TRACKED, LONG, cwd=tmp_path)
-    bapo.wait_for("step 1/", timeout_s=300)
-    (rank,) = _ranks(bapo.proc.pid, count=1).values()
+    bapo, rank = _one_rank(tmp_path, monkeypatch)
     agent = rank.parent()
     for _ in range(3):
         agent.send_signal(signal.SIGTERM)
@@ -153,10 +141,23 @@ def test_torchrun_s_agent_waits_for_the_rank_s_save_however_often_it_is_signalle
     alive = _alive(rank)
     bapo.finish(60)
     assert not alive, "the agent left before its rank:\n" + bapo.output()
+    _assert_saved_and_killed(bapo, _output_root)
+
+
+def _one_rank(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Bapo, psutil.Process]:
+    """`bapo train --nproc 1` that only a signal ends, once it has trained a step; its rank."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    bapo = Bapo("train", "--nproc", "1", *TRACKED, LONG, cwd=tmp_path)
+    bapo.wait_for("step 1/", timeout_s=300)  # the next status line comes minutes later
+    (rank,) = _ranks(bapo.proc.pid, count=1).values()
+    return bapo, rank
+
+
+def _assert_saved_and_killed(bapo: Bapo, root: Path) -> None:
     out = bapo.output()
-    (run_dir,) = (_output_root / "runs").glob("*/*")
+    (run_dir,) = (root / "runs").glob("*/*")
     step = _checkpoint(run_dir)["state"]["step"]
     assert f"(stopped by SIGTERM at step {step})" in out, out
     assert "Traceback" not in out
-    (run,) = _runs(_output_root)
+    (run,) = _runs(root)
     assert run.info.status == "KILLED"

@@ -68,10 +68,11 @@ def exit_quietly_on_signal(agent: Callable[[], object]) -> None:
 
 
 def _first_stop_signal_only() -> None:
-    """torchrun's agent raises SignalException at every stop signal, so a second one (SLURM
-    signals every process of a job and the batch script passes the signal on as well) cut short
-    its wait for the ranks' save and it left them saving, orphaned. The agent now acts on the
-    first and ignores the rest (the ranks get theirs directly or from the first)."""
+    """torchrun's agent raises SignalException at every stop signal, and a repeat inside its
+    wait for the ranks' save ends that wait (SLURM signals every process of a job, the batch
+    script passes the signal on, a user repeats it; three were enough): it left the ranks
+    saving, orphaned. The agent now acts on the first and ignores the rest (the ranks get
+    theirs directly or from the first)."""
     from torch.distributed.elastic.multiprocessing import api
 
     act = api._terminate_process_handler
