@@ -108,8 +108,8 @@ WATCHED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP,
 @pytest.fixture(autouse=True)
 def _signal_handlers_restored(request: pytest.FixtureRequest) -> Iterator[None]:
     """A test that leaves a stop signal's handler changed in this process gets it put back and
-    is named in a warning (CI at f6a17a5: a GracefulStop test in one xdist worker found SIGINT
-    not at its default and saw no Ctrl-C)."""
+    is named in a warning: the next test would otherwise run with it (a GracefulStop keeps a
+    handler it does not find at its default)."""
     before = {s: signal.getsignal(s) for s in WATCHED_SIGNALS}
     yield
     if threading.current_thread() is not threading.main_thread():

@@ -7,6 +7,7 @@ from __future__ import annotations
 import signal
 import threading
 import time
+from collections.abc import Iterator
 
 import pytest
 
@@ -41,6 +42,17 @@ def _wait(seconds: float) -> None:
 @pytest.fixture
 def said() -> list[str]:
     return []
+
+
+@pytest.fixture(autouse=True)
+def _ctrl_c_as_at_a_terminal() -> Iterator[None]:
+    """SIGINT raising KeyboardInterrupt, as a terminal's foreground process has it. A test run
+    started in the background inherits SIGINT ignored (POSIX shells do that to background jobs;
+    this test failed so in a CI started that way), and GracefulStop rightly leaves an ignored
+    SIGINT alone."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
 
 
 def test_sigterm_between_steps_asks_for_a_stop_with_a_deadline_and_exit_143(said) -> None:
