@@ -216,9 +216,10 @@ PR_SET_PDEATHSIG = 1  # linux/prctl.h
 def stop_with_agent() -> None:
     """A SIGTERM to this rank when torchrun's agent, its parent, dies (Linux; elsewhere nothing).
     An agent killed outright (srun forcing a step's end, the OOM killer, kill -9) leaves its
-    ranks orphaned: outside the process tree SLURM signals, they would train on unseen and
-    close the MLflow run FAILED at the first broken pipe. With the signal the rank stops as a
-    SIGTERM stops it: the step ends, a checkpoint is written, the run is closed KILLED."""
+    ranks orphaned: outside the process tree SLURM signals, they would train on unseen (and,
+    likely, close the MLflow run FAILED at a broken pipe). With the signal the rank stops as a
+    SIGTERM stops it: the step ends, a checkpoint is written, the run is closed KILLED.
+    (staleness/worker.py's `_die_with_parent` makes the same call with SIGKILL.)"""
     if "TORCHELASTIC_RUN_ID" not in os.environ or not sys.platform.startswith("linux"):
         return
     agent = os.getppid()
