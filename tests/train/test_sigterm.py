@@ -10,21 +10,30 @@ checkpoint is written, the MLflow run is closed KILLED, the resume command is pr
 
 from __future__ import annotations
 
+import io
 import json
 import re
 import shlex
 import signal
+import threading
 import time
 from collections import Counter
 from pathlib import Path
+from types import FrameType
 
 import pytest
 import torch
+from rich.console import Console
 from safetensors.torch import load_file
 
+from bapo_cli.config.preflight import preflight
+from bapo_cli.rewards.guard import fan_out
 from bapo_cli.trainer import checkpoint
+from bapo_cli.trainer.interrupt import ROLLOUT, GracefulStop
+from bapo_cli.trainer.train import train
 from tests.tracking.readback import isolate_wandb, tb_scalars, wandb_history, wandb_records
 from tests.train.test_ctrl_c import TRACKED, Bapo, _runs, _store
+from tests.train.test_stop_grace import signal_entering
 
 pytestmark = pytest.mark.slow
 
@@ -180,3 +189,36 @@ def test_slurm_time_limit_a_step_longer_than_the_grace_is_abandoned_and_the_last
     for key, state in sa["optimizer"]["state"].items():
         for name, tensor in state.items():
             assert torch.equal(tensor, sb["optimizer"]["state"][key][name]), (key, name)
+
+
+def test_an_abandonment_landing_in_threading_s_lock_still_saves_the_last_step_and_closes_killed(
+    _output_root: Path, tmp_path: Path
+) -> None:
+    """CI at 2f0a31d, the test above: the SIGTERM landed as the grading fan-out started a thread,
+    in Condition.wait's reacquire; the StepAbandoned came out as RuntimeError "release unlocked
+    lock", and the run ended FAILED with a traceback, exit 1, nothing saved at the stop. Here the
+    signal lands at that very moment of step 2's grading, on purpose, in this process."""
+    grader, _ = _slow_grader(tmp_path)
+    reward = ["reward=python", f"reward.fn={grader}:score", "reward.workers=2"]
+    stop_fast = ["trainer.stop_grace_s=0.05", "trainer.max_steps=6"]
+    cfg = preflight("train", [*TRACKED, *reward, *stop_fast]).config
+
+    def in_a_later_steps_fan_out(frame: FrameType) -> bool:
+        stop = getattr(signal.getsignal(signal.SIGTERM), "__self__", None)
+        if not (isinstance(stop, GracefulStop) and stop.phase == ROLLOUT and stop.last_step_s):
+            return False
+        while frame is not None and frame.f_code is not fan_out.__code__:
+            frame = frame.f_back
+        return frame is not None
+
+    out = io.StringIO()
+    reacquire = threading.Condition._acquire_restore.__code__
+    with signal_entering(reacquire, signal.SIGTERM, when=in_a_later_steps_fan_out):
+        result = train(cfg, tmp_path / "run", Console(file=out, width=300))
+    said = out.getvalue()
+    assert result.interrupted and result.exit_code == 143, said
+    assert "SIGTERM: abandoning step 2 (the previous step took" in said, said
+    assert "; saving step 1" in said and "Traceback" not in said
+    assert _saved_step(result.run_dir) == 1 and len(result.history) == 1
+    (run,) = _runs(_output_root)
+    assert run.info.status == "KILLED"

@@ -4,7 +4,9 @@ The trainer around it: test_sigterm.py (one process) and test_sigterm_torchrun.p
 
 from __future__ import annotations
 
+import contextlib
 import signal
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -150,3 +152,49 @@ def test_a_handler_someone_else_installed_is_kept(said) -> None:
             assert not stop.requested and seen == [signal.SIGTERM]
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+@contextlib.contextmanager
+def signal_entering(code: object, signum: int, *, when=lambda frame: True) -> Iterator[None]:
+    """A context in which `signum` reaches this (the main) thread as it enters the function with
+    `code`, the first time `when(its frame)` holds there: the moment a signal once landed in CI
+    (threading.Condition._acquire_restore), made repeatable with a profile hook."""
+    assert threading.current_thread() is threading.main_thread()
+    fired: list[bool] = []
+
+    def hook(frame, event, arg) -> None:
+        if event == "call" and frame.f_code is code and not fired and when(frame):
+            fired.append(True)
+            signal.pthread_kill(threading.get_ident(), signum)
+
+    sys.setprofile(hook)
+    try:
+        yield
+    finally:
+        sys.setprofile(None)
+    assert fired, "the signal was never sent"
+
+
+def test_an_abandonment_turned_into_another_error_by_the_code_it_interrupted_is_still_one(
+    said,
+) -> None:
+    """CI at 2f0a31d: SIGTERM landed as Thread.start() waited for the thread, in
+    Condition.wait's reacquire; the StepAbandoned raised there left the lock released, and the
+    `with` around it raised RuntimeError "release unlocked lock" instead: the trainer did not
+    see an abandoned step and the run ended FAILED, exit 1. The same moment, on purpose here."""
+    reacquire = threading.Condition._acquire_restore.__code__
+    with GracefulStop(said.append, grace_s=2) as stop:
+        stop.phase = ROLLOUT
+        stop.step_started, stop.last_step_s = time.monotonic(), 10.0
+        with (
+            pytest.raises(RuntimeError, match="release unlocked lock") as caught,
+            signal_entering(reacquire, signal.SIGTERM),
+        ):
+            threading.Thread(target=time.sleep, args=(0.01,)).start()
+        found = stop.abandonment(caught.value)
+        assert found is stop.raised and isinstance(found, StepAbandoned)
+        assert found.phase == ROLLOUT and "previous step took 10 s" in found.why
+        assert stop.abandonment(found) is found
+        assert stop.abandonment(RuntimeError("release unlocked lock")) is None  # not this one
+        assert stop.abandonment(None) is None
+    assert GracefulStop(said.append).abandonment(RuntimeError()) is None  # nothing raised

@@ -17,7 +17,9 @@ abandoned instead, by `StepAbandoned` raised where the step is:
 - when the grace runs out (SIGALRM), wherever the step is.
 Abandoned before its updates, the step leaves the last completed step intact and the trainer
 saves that; abandoned during its updates (half-applied: the weights are no step's), nothing more
-is saved and the run resumes from the newest checkpoint on disk. Ctrl-C starts no grace: a
+is saved and the run resumes from the newest checkpoint on disk. Raised from a signal handler,
+it can land inside library code that turns it into another error (`GracefulStop.abandonment`
+still recognises it). Ctrl-C starts no grace: a
 person at the terminal decides, and a second Ctrl-C raises KeyboardInterrupt at once (the run
 is still closed KILLED by the trainer's `finally`). A repeated SIGTERM or SIGUSR1 changes
 nothing: SLURM and torchrun's agent may each deliver one.
@@ -87,6 +89,7 @@ class GracefulStop:
         # (when the step began, how long the previous one took): set by the trainer per step
         self.step_started: float | None = None
         self.last_step_s: float | None = None
+        self.raised: StepAbandoned | None = None  # the abandonment a handler raised, if any
         self._previous: dict[int, Any] = {}
 
     @property
@@ -129,6 +132,25 @@ class GracefulStop:
         """Whether `rest_s` more seconds of work would end past the grace's deadline."""
         return self.deadline is not None and time.monotonic() + rest_s > self.deadline
 
+    def abandonment(self, err: BaseException | None) -> StepAbandoned | None:
+        """The abandonment `err` stands for: `err` itself, or the one a handler here raised that
+        the code it interrupted turned into another error (raised as `threading.Condition.wait`
+        reacquires its lock, it surfaces as RuntimeError "release unlocked lock", the
+        StepAbandoned as its context). None: `err` is an error of its own."""
+        if isinstance(err, StepAbandoned):
+            return err
+        seen: set[int] = set()
+        while err is not None and self.raised is not None and id(err) not in seen:
+            if err is self.raised:
+                return self.raised
+            seen.add(id(err))
+            err = err.__context__
+        return None
+
+    def _abandon(self, phase: str, why: str) -> StepAbandoned:
+        self.raised = StepAbandoned(phase, why)
+        return self.raised
+
     # ------------------------------------------------------------------------- signal handlers
 
     def _handle(self, signum: int, frame: Any) -> None:
@@ -160,7 +182,7 @@ class GracefulStop:
         )
         expected_end = (self.step_started or 0.0) + (self.last_step_s or 0.0)
         if self.phase == ROLLOUT and self.last_step_s and expected_end > self.deadline:
-            raise StepAbandoned(
+            raise self._abandon(
                 ROLLOUT,
                 f"the previous step took {self.last_step_s:.0f} s: this one would not end "
                 f"within the {self.grace_s:g} s grace",
@@ -170,4 +192,4 @@ class GracefulStop:
         """SIGALRM: the grace is over. A step still running is abandoned where it is."""
         self.expired = True
         if self.phase in (ROLLOUT, UPDATE):
-            raise StepAbandoned(self.phase, f"the {self.grace_s:g} s grace ran out")
+            raise self._abandon(self.phase, f"the {self.grace_s:g} s grace ran out")

@@ -79,16 +79,18 @@ class StopProtocol:
         ends here (an abandoned step) rather than propagating."""
         run, signals = self.run, self.signals
         status, clean = "FAILED", False
+        abandoned = signals.abandonment(err)  # also one the interrupted code re-raised as another
         try:
             if err is None:
                 status, clean = ("KILLED" if self.stopped else "FINISHED"), True
-            elif isinstance(err, StepAbandoned):  # saved what could be (abandon), or nothing
-                status, clean, self.stopped = "KILLED", err.phase == ROLLOUT, True
-                if err.phase == UPDATE:
+            elif abandoned is not None:  # saved what could be (abandon), or nothing
+                status, clean, self.stopped = "KILLED", abandoned.phase == ROLLOUT, True
+                if abandoned.phase == UPDATE:
                     newest = f"step {run.saved_step}" if run.saved_step else "none"
                     signals.say(
                         f"{signals.reason}: abandoning step {run.state.step + 1} during its "
-                        f"updates ({err.why}); nothing more saved (newest checkpoint: {newest})"
+                        f"updates ({abandoned.why}); nothing more saved (newest checkpoint: "
+                        f"{newest})"
                     )
             elif isinstance(err, KeyboardInterrupt):  # a second Ctrl-C
                 status = "KILLED"
@@ -99,7 +101,7 @@ class StopProtocol:
         finally:
             signals.phase = IDLE
             close(run, self.tracker, status, clean=clean)
-        return err is None or isinstance(err, StepAbandoned)
+        return err is None or abandoned is not None
 
     def _serving_stopped(self, err: WorkerError) -> None:
         """The generator cannot go on: one process saves its last step first when the error

@@ -252,9 +252,11 @@ def _rollout(
         new_tokens = run.collector.generated_tokens - tokens_before
         adv_stats = advantages(run, batch)
         stop.phase = IDLE  # the point of no return: the updates change the weights
-    except StepAbandoned as err:
+    except BaseException as err:  # an abandonment the interrupted code may have re-raised as
+        abandoned = stop.abandonment(err)  # another error (threading's "release unlocked lock")
+        if abandoned is None:
+            raise
         stop.phase = IDLE
-        abandoned = err
     if abandoned is None and run.rest_s is not None and stop.would_overrun(run.rest_s):
         why = f"its updates took {run.rest_s:.0f} s last step: they would not end in time"
         abandoned = StepAbandoned(ROLLOUT, why)
