@@ -10,6 +10,7 @@ checkpoint is written, the MLflow run is closed KILLED, the resume command is pr
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import re
@@ -191,13 +192,15 @@ def test_slurm_time_limit_a_step_longer_than_the_grace_is_abandoned_and_the_last
             assert torch.equal(tensor, sb["optimizer"]["state"][key][name]), (key, name)
 
 
-def test_an_abandonment_landing_in_threading_s_lock_still_saves_the_last_step_and_closes_killed(
-    _output_root: Path, tmp_path: Path
+@pytest.mark.parametrize("second", [False, True], ids=["sigterm", "second-ctrl-c"])
+def test_a_stop_landing_in_threading_s_lock_still_stops_as_the_signal_meant(
+    second: bool, _output_root: Path, tmp_path: Path
 ) -> None:
     """CI at 2f0a31d, the test above: the SIGTERM landed as the grading fan-out started a thread,
     in Condition.wait's reacquire; the StepAbandoned came out as RuntimeError "release unlocked
     lock", and the run ended FAILED with a traceback, exit 1, nothing saved at the stop. Here the
-    signal lands at that very moment of step 2's grading, on purpose, in this process."""
+    signal lands at that very moment of step 2's grading, on purpose, in this process: a SIGTERM
+    abandons the step and saves step 1; a second Ctrl-C stops at once (KeyboardInterrupt)."""
     grader, _ = _slow_grader(tmp_path)
     reward = ["reward=python", f"reward.fn={grader}:score", "reward.workers=2"]
     stop_fast = ["trainer.stop_grace_s=0.05", "trainer.max_steps=6"]
@@ -209,16 +212,31 @@ def test_an_abandonment_landing_in_threading_s_lock_still_saves_the_last_step_an
             return False
         while frame is not None and frame.f_code is not fan_out.__code__:
             frame = frame.f_back
+        if frame is not None and second and not stop.requested:
+            stop.request(signal.SIGINT)  # the first Ctrl-C came earlier in the step
         return frame is not None
 
     out = io.StringIO()
     reacquire = threading.Condition._acquire_restore.__code__
-    with signal_entering(reacquire, signal.SIGTERM, when=in_a_later_steps_fan_out):
-        result = train(cfg, tmp_path / "run", Console(file=out, width=300))
+    landing = signal_entering(
+        reacquire, signal.SIGINT if second else signal.SIGTERM, when=in_a_later_steps_fan_out
+    )
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)  # as at a terminal
+    try:
+        with landing, contextlib.ExitStack() as expect:
+            if second:
+                expect.enter_context(pytest.raises(KeyboardInterrupt))
+            result = train(cfg, tmp_path / "run", Console(file=out, width=300))
+    finally:
+        signal.signal(signal.SIGINT, previous)
     said = out.getvalue()
-    assert result.interrupted and result.exit_code == 143, said
-    assert "SIGTERM: abandoning step 2 (the previous step took" in said, said
-    assert "; saving step 1" in said and "Traceback" not in said
-    assert _saved_step(result.run_dir) == 1 and len(result.history) == 1
+    assert "Traceback" not in said and "release unlocked lock" not in said, said
     (run,) = _runs(_output_root)
     assert run.info.status == "KILLED"
+    if second:
+        assert "Ctrl-C again: stopping now" in said, said
+        return
+    assert result.interrupted and result.exit_code == 143, said
+    assert "SIGTERM: abandoning step 2 (the previous step took" in said, said
+    assert "; saving step 1" in said
+    assert _saved_step(result.run_dir) == 1 and len(result.history) == 1

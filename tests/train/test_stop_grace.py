@@ -198,3 +198,15 @@ def test_an_abandonment_turned_into_another_error_by_the_code_it_interrupted_is_
         assert stop.abandonment(RuntimeError("release unlocked lock")) is None  # not this one
         assert stop.abandonment(None) is None
     assert GracefulStop(said.append).abandonment(RuntimeError()) is None  # nothing raised
+    with GracefulStop(said.append) as stop:  # a second Ctrl-C landing there: still a Ctrl-C
+        stop.phase = ROLLOUT
+        _send(signal.SIGINT)
+        with (
+            pytest.raises(RuntimeError, match="release unlocked lock") as caught,
+            signal_entering(reacquire, signal.SIGINT),
+        ):
+            threading.Thread(target=time.sleep, args=(0.01,)).start()
+        assert type(stop.meant(caught.value)) is KeyboardInterrupt
+        assert stop.abandonment(caught.value) is None
+        other = ValueError()
+        assert stop.meant(other) is other

@@ -18,8 +18,8 @@ abandoned instead, by `StepAbandoned` raised where the step is:
 Abandoned before its updates, the step leaves the last completed step intact and the trainer
 saves that; abandoned during its updates (half-applied: the weights are no step's), nothing more
 is saved and the run resumes from the newest checkpoint on disk. Raised from a signal handler,
-it can land inside library code that turns it into another error (`GracefulStop.abandonment`
-still recognises it). Ctrl-C starts no grace: a
+it can land inside library code that turns it into another error (`GracefulStop.meant` still
+recognises it, as it does a second Ctrl-C's KeyboardInterrupt). Ctrl-C starts no grace: a
 person at the terminal decides, and a second Ctrl-C raises KeyboardInterrupt at once (the run
 is still closed KILLED by the trainer's `finally`). A repeated SIGTERM or SIGUSR1 changes
 nothing: SLURM and torchrun's agent may each deliver one.
@@ -89,7 +89,7 @@ class GracefulStop:
         # (when the step began, how long the previous one took): set by the trainer per step
         self.step_started: float | None = None
         self.last_step_s: float | None = None
-        self.raised: StepAbandoned | None = None  # the abandonment a handler raised, if any
+        self.raised: BaseException | None = None  # what a handler here raised, if anything
         self._previous: dict[int, Any] = {}
 
     @property
@@ -132,24 +132,28 @@ class GracefulStop:
         """Whether `rest_s` more seconds of work would end past the grace's deadline."""
         return self.deadline is not None and time.monotonic() + rest_s > self.deadline
 
-    def abandonment(self, err: BaseException | None) -> StepAbandoned | None:
-        """The abandonment `err` stands for: `err` itself, or the one a handler here raised that
-        the code it interrupted turned into another error (raised as `threading.Condition.wait`
-        reacquires its lock, it surfaces as RuntimeError "release unlocked lock", the
-        StepAbandoned as its context). None: `err` is an error of its own."""
-        if isinstance(err, StepAbandoned):
-            return err
+    def meant(self, err: BaseException | None) -> BaseException | None:
+        """What `err` stands for: the exception a handler here raised (an abandonment, a second
+        Ctrl-C, a stop before training) when `err` is it or carries it as its context, because
+        the code it interrupted turned it into another error (raised as `threading.Condition.wait`
+        reacquires its lock, it surfaces as RuntimeError "release unlocked lock"); else `err`."""
         seen: set[int] = set()
-        while err is not None and self.raised is not None and id(err) not in seen:
-            if err is self.raised:
-                return self.raised
-            seen.add(id(err))
-            err = err.__context__
-        return None
+        cause = err
+        while cause is not None and self.raised is not None and id(cause) not in seen:
+            if cause is self.raised:
+                return cause
+            seen.add(id(cause))
+            cause = cause.__context__
+        return err
 
-    def _abandon(self, phase: str, why: str) -> StepAbandoned:
-        self.raised = StepAbandoned(phase, why)
-        return self.raised
+    def abandonment(self, err: BaseException | None) -> StepAbandoned | None:
+        """The abandoned step `err` stands for (`meant`), if it stands for one."""
+        meant = self.meant(err)
+        return meant if isinstance(meant, StepAbandoned) else None
+
+    def _raise(self, exc: BaseException) -> BaseException:
+        self.raised = exc
+        return exc
 
     # ------------------------------------------------------------------------- signal handlers
 
@@ -158,11 +162,11 @@ class GracefulStop:
             if self.requested:
                 self.say(SECOND)
             self.__exit__()
-            raise KeyboardInterrupt
+            raise self._raise(KeyboardInterrupt())
         if self.phase == SETUP:  # no model yet, nothing to save: stop now
             self.__exit__()
             self.say(f"{name(signum)}: stopping before training began (nothing to save)")
-            raise Stopped(128 + signum)
+            raise self._raise(Stopped(128 + signum))
         first = not self.requested
         self.request(signum)
         if signum == signal.SIGINT:
@@ -182,14 +186,16 @@ class GracefulStop:
         )
         expected_end = (self.step_started or 0.0) + (self.last_step_s or 0.0)
         if self.phase == ROLLOUT and self.last_step_s and expected_end > self.deadline:
-            raise self._abandon(
-                ROLLOUT,
-                f"the previous step took {self.last_step_s:.0f} s: this one would not end "
-                f"within the {self.grace_s:g} s grace",
+            raise self._raise(
+                StepAbandoned(
+                    ROLLOUT,
+                    f"the previous step took {self.last_step_s:.0f} s: this one would not end "
+                    f"within the {self.grace_s:g} s grace",
+                )
             )
 
     def _expire(self, signum: int, frame: Any) -> None:
         """SIGALRM: the grace is over. A step still running is abandoned where it is."""
         self.expired = True
         if self.phase in (ROLLOUT, UPDATE):
-            raise self._abandon(self.phase, f"the {self.grace_s:g} s grace ran out")
+            raise self._raise(StepAbandoned(self.phase, f"the {self.grace_s:g} s grace ran out"))

@@ -64,22 +64,25 @@ class StopProtocol:
         return tracker
 
     def __exit__(self, kind: Any, err: BaseException | None, trace: Any) -> bool:
+        meant = self.signals.meant(err)  # a signal's exception the interrupted code re-raised
+        handled = False
         try:
-            if self.run is None or self.tracker is None:  # nothing started that needs closing
-                return False
-            handled = self._close(err)
-            if handled:
-                self._summary()
-            return handled
+            if self.run is not None and self.tracker is not None:  # started: needs closing
+                handled = self._close(meant)
+                if handled:
+                    self._summary()
         finally:
             self.signals.__exit__()
+        if not handled and meant is not err:  # leave as the signal meant (Ctrl-C: exit 130)
+            raise meant from None
+        return handled
 
     def _close(self, err: BaseException | None) -> bool:
         """Close the run with the status `err` gives it (None: the loop ended); whether `err`
         ends here (an abandoned step) rather than propagating."""
         run, signals = self.run, self.signals
         status, clean = "FAILED", False
-        abandoned = signals.abandonment(err)  # also one the interrupted code re-raised as another
+        abandoned = signals.abandonment(err)
         try:
             if err is None:
                 status, clean = ("KILLED" if self.stopped else "FINISHED"), True
