@@ -113,7 +113,7 @@ def test_a_rank_whose_agent_is_killed_stops_as_a_sigterm_stops_it(
     """torchrun's agent killed outright (kill -9 here; srun forcing a step's end, the OOM
     killer): the kernel sends its orphaned rank a SIGTERM (PR_SET_PDEATHSIG), and the rank ends
     its step, saves and closes the run KILLED. Before: it trained on unseen, outside the process
-    tree SLURM signals, until a broken pipe closed its MLflow run FAILED."""
+    tree SLURM signals (likely until a broken pipe closed its MLflow run FAILED; not seen)."""
     bapo, rank = _one_rank(tmp_path, monkeypatch)
     rank.parent().kill()  # the agent
     try:

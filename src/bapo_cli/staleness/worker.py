@@ -51,7 +51,6 @@ CPU only. On GPUs (and across machines) vLLM generation servers take this worker
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import os
 import queue
 import signal
@@ -65,6 +64,7 @@ from typing import Any
 import torch
 
 from bapo_cli.models import loading as models
+from bapo_cli.parent_death import signal_on_parent_death
 from bapo_cli.rollout.base import Sample, SamplingParams, make_engine
 from bapo_cli.rollout.collect import Collector
 from bapo_cli.rollout.scoring import (
@@ -382,9 +382,5 @@ def _next_request(requests: Any, parent_pid: int, stop: Any) -> list[Sample] | N
 
 def _die_with_parent(parent_pid: int) -> None:
     """SIGKILL this process when the trainer dies (Linux); elsewhere `_next_request` notices."""
-    with contextlib.suppress(Exception):
-        libc = ctypes.CDLL(None, use_errno=True)
-        pr_set_pdeathsig = 1
-        libc.prctl(pr_set_pdeathsig, signal.SIGKILL)
-    if os.getppid() != parent_pid:  # died before prctl took effect
+    if not signal_on_parent_death(signal.SIGKILL, parent_pid):
         os._exit(0)

@@ -36,16 +36,16 @@ process (`--nproc 1`) joins a process group, so the NCCL/FSDP2 code path runs on
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import os
 import signal
-import sys
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from bapo_cli.parent_death import signal_on_parent_death
 
 MAX_KEYS = ("staleness/max", "staleness/trajectory_max", "actor/ratio_max")
 STRATEGIES = ("ddp", "fsdp2")
@@ -210,22 +210,15 @@ def launched_by_torchrun() -> bool:
     return "RANK" in os.environ and "MASTER_ADDR" in os.environ
 
 
-PR_SET_PDEATHSIG = 1  # linux/prctl.h
-
-
 def stop_with_agent() -> None:
     """A SIGTERM to this rank when torchrun's agent, its parent, dies (Linux; elsewhere nothing).
     An agent killed outright (srun forcing a step's end, the OOM killer, kill -9) leaves its
     ranks orphaned: outside the process tree SLURM signals, they would train on unseen (and,
     likely, close the MLflow run FAILED at a broken pipe). With the signal the rank stops as a
-    SIGTERM stops it: the step ends, a checkpoint is written, the run is closed KILLED.
-    (staleness/worker.py's `_die_with_parent` makes the same call with SIGKILL.)"""
-    if "TORCHELASTIC_RUN_ID" not in os.environ or not sys.platform.startswith("linux"):
+    SIGTERM stops it: the step ends, a checkpoint is written, the run is closed KILLED."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ:
         return
-    agent = os.getppid()
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-    if os.getppid() != agent:  # it died before prctl took effect
+    if not signal_on_parent_death(signal.SIGTERM, os.getppid()):  # the agent died already
         os.kill(os.getpid(), signal.SIGTERM)
 
 

@@ -137,13 +137,11 @@ class GracefulStop:
         Ctrl-C, a stop before training) when `err` is it or carries it as its context, because
         the code it interrupted turned it into another error (raised as `threading.Condition.wait`
         reacquires its lock, it surfaces as RuntimeError "release unlocked lock"); else `err`."""
-        seen: set[int] = set()
-        cause = err
-        while cause is not None and self.raised is not None and id(cause) not in seen:
+        cause, seen = err, 0
+        while cause is not None and seen < 100:  # a chain set by hand could loop
             if cause is self.raised:
                 return cause
-            seen.add(id(cause))
-            cause = cause.__context__
+            cause, seen = cause.__context__, seen + 1
         return err
 
     def abandonment(self, err: BaseException | None) -> StepAbandoned | None:

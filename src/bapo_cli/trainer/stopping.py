@@ -78,22 +78,21 @@ class StopProtocol:
         return handled
 
     def _close(self, err: BaseException | None) -> bool:
-        """Close the run with the status `err` gives it (None: the loop ended); whether `err`
-        ends here (an abandoned step) rather than propagating."""
+        """Close the run with the status `err` gives it (None: the loop ended; a signal's own
+        exception where the interrupted code re-raised it as another, `GracefulStop.meant`);
+        whether `err` ends here (an abandoned step) rather than propagating."""
         run, signals = self.run, self.signals
         status, clean = "FAILED", False
-        abandoned = signals.abandonment(err)
         try:
             if err is None:
                 status, clean = ("KILLED" if self.stopped else "FINISHED"), True
-            elif abandoned is not None:  # saved what could be (abandon), or nothing
-                status, clean, self.stopped = "KILLED", abandoned.phase == ROLLOUT, True
-                if abandoned.phase == UPDATE:
+            elif isinstance(err, StepAbandoned):  # saved what could be (abandon), or nothing
+                status, clean, self.stopped = "KILLED", err.phase == ROLLOUT, True
+                if err.phase == UPDATE:
                     newest = f"step {run.saved_step}" if run.saved_step else "none"
                     signals.say(
                         f"{signals.reason}: abandoning step {run.state.step + 1} during its "
-                        f"updates ({abandoned.why}); nothing more saved (newest checkpoint: "
-                        f"{newest})"
+                        f"updates ({err.why}); nothing more saved (newest checkpoint: {newest})"
                     )
             elif isinstance(err, KeyboardInterrupt):  # a second Ctrl-C
                 status = "KILLED"
@@ -104,7 +103,7 @@ class StopProtocol:
         finally:
             signals.phase = IDLE
             close(run, self.tracker, status, clean=clean)
-        return err is None or abandoned is not None
+        return err is None or isinstance(err, StepAbandoned)
 
     def _serving_stopped(self, err: WorkerError) -> None:
         """The generator cannot go on: one process saves its last step first when the error

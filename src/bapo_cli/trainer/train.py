@@ -252,8 +252,8 @@ def _rollout(
         new_tokens = run.collector.generated_tokens - tokens_before
         adv_stats = advantages(run, batch)
         stop.phase = IDLE  # the point of no return: the updates change the weights
-    except BaseException as err:  # an abandonment the interrupted code may have re-raised as
-        abandoned = stop.abandonment(err)  # another error (threading's "release unlocked lock")
+    except BaseException as err:  # also an abandonment the interrupted code re-raised as another
+        abandoned = stop.abandonment(err)
         if abandoned is None:
             raise
         stop.phase = IDLE
