@@ -11,6 +11,7 @@ a thread (`within`), so it fails instead of hanging the suite.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import signal
@@ -21,6 +22,7 @@ from pathlib import Path
 import pytest
 
 from bapo_cli.rollout.base import FINISH_BUDGET, Request, SamplingParams
+from bapo_cli.rollout.server_push import CLOSE_TIMEOUT_S
 from bapo_cli.rollout.servers import (
     GENERATE,
     ModelIdentity,
@@ -211,6 +213,37 @@ def test_a_slow_server_that_answers_its_health_is_waited_for() -> None:
         (gen,) = within(20, lambda: generate(pool))
         assert gen.token_ids == [5] * 16 and pool.servers[0].alive
         assert fake.asked("/health") >= 3  # asked while the response ran, and answered
+
+
+def test_a_pause_answered_late_at_close_is_still_followed_by_a_resume() -> None:
+    """CI at 5a7827f: a run's close aborted its requests on a loaded server whose pause answered
+    after the client's CLOSE_TIMEOUT_S; the resume was skipped, the server stayed paused, and
+    the next run's requests waited 600 s on it (its log: `/pause?mode=abort` 200, no `/resume`)."""
+
+    def late_pause(fake, query, body):
+        fake.paused = True  # takes effect, answers after the client gave up
+        time.sleep(CLOSE_TIMEOUT_S + 1)
+        return {"status": "paused"}
+
+    with FakeServer() as fake:
+        pool = make_pool(fake)
+        pool.check()
+        fake.routes["/pause"] = late_pause
+        fake.routes[GENERATE] = on_generate(lambda *a: Hang())
+        waiting = threading.Thread(target=lambda: _quietly(generate, pool), daemon=True)
+        waiting.start()
+        assert wait_until(lambda: pool.servers[0].in_flight > 0, 10)
+        t0 = time.monotonic()
+        pool.close()
+        took = time.monotonic() - t0
+        assert fake.asked("/pause") == 1 and fake.asked("/resume") == 1
+        assert not fake.paused
+        assert took < 2 * CLOSE_TIMEOUT_S + 2, took  # still bounded
+
+
+def _quietly(fn, *args) -> None:
+    with contextlib.suppress(ServerError):
+        fn(*args)
 
 
 def test_a_paused_server_is_refused_by_a_pool_that_never_pushes() -> None:

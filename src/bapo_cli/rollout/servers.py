@@ -602,7 +602,13 @@ class ServerPool:
 
 
 def _abort(url: str) -> None:
-    """close(): abort what the server runs for us and let it take requests again."""
-    with contextlib.suppress(ServerError):
-        call(url, "POST", "/pause?mode=abort", None, CLOSE_TIMEOUT_S)
-        call(url, "POST", "/resume", None, CLOSE_TIMEOUT_S)
+    """close(): abort what the server runs for us and let it take requests again. The resume is
+    sent even when the pause went unanswered in time: a loaded server may still pause after the
+    client gave up (its calls run in order, so the resume comes after), and a server left paused
+    holds every request of the next run."""
+    try:
+        with contextlib.suppress(ServerError):
+            call(url, "POST", "/pause?mode=abort", None, CLOSE_TIMEOUT_S)
+    finally:
+        with contextlib.suppress(ServerError):
+            call(url, "POST", "/resume", None, CLOSE_TIMEOUT_S)
