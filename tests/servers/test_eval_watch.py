@@ -178,5 +178,12 @@ def test_val_every_on_servers_validates_the_version_of_its_step(fleet, tmp_path)
             sets, engine, tokenizer, n=4, max_tokens=8, max_model_len=cfg.model.max_model_len
         )
 
-    assert validated(ckpts[1]) == logged  # version 2's weights: what step 2 logged
-    assert validated(ckpts[0]) != logged  # version 1's would not be
+    scores = _without_timing(logged)
+    assert _without_timing(validated(ckpts[1])) == scores  # version 2's: what step 2 logged
+    assert _without_timing(validated(ckpts[0])) != scores  # version 1's would not be
+
+
+def _without_timing(metrics: dict[str, float]) -> dict[str, float]:
+    """The scores, not the seconds grading took (`grade_s`: 0.0 or 0.002 as the machine is
+    loaded; CI at 4982cac failed on that alone)."""
+    return {k: v for k, v in metrics.items() if not k.endswith("/grade_s")}
